@@ -1,0 +1,81 @@
+"""The torchvision backend: ImageFolder + DataLoader with the same augmentations as the DALI pipelines.
+
+Training batches come from a DistributedSampler (one permutation per epoch, identical on every rank,
+each rank taking its shard; the tail that does not fill a global batch is dropped so that every rank
+runs the same number of steps). Validation is split without padding, so every image counts once.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torchvision import datasets, transforms
+
+from data.config import DataConfig
+from data.layout import check_dataset
+
+
+class EpochLoader:
+    """An iterable of (images, labels) batches for one phase; `set_epoch` reshuffles and reseeds workers."""
+
+    def __init__(self, loader: DataLoader, sampler: DistributedSampler | None, seed: int) -> None:
+        self.loader, self.sampler, self.seed = loader, sampler, seed
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+        if self.loader.generator is not None:  # worker augmentation seeds follow (seed, epoch, rank)
+            self.loader.generator.manual_seed(self.seed + 1_000_003 * epoch)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+class TorchvisionImageData:
+    """ImageNet-layout folders read with torchvision; one instance per run, loaders rebuilt per phase."""
+
+    def __init__(self, cfg: DataConfig, rank: int, world_size: int, seed: int, pin_memory: bool = False) -> None:
+        self.num_classes = check_dataset(cfg.root)
+        self.cfg, self.rank, self.world_size, self.seed, self.pin_memory = cfg, rank, world_size, seed, pin_memory
+        self._train = datasets.ImageFolder(f"{cfg.root}/train")
+        self._val = datasets.ImageFolder(f"{cfg.root}/val")
+
+    @property
+    def train_size(self) -> int:
+        return len(self._train)
+
+    def _normalize(self) -> list:
+        return [transforms.ToTensor(), transforms.Normalize(self.cfg.mean, self.cfg.std)]
+
+    def train_loader(self, image_size: int, batch_size: int, min_scale: float = 0.0) -> EpochLoader:
+        """Per-rank batches of random-resized crops at `image_size` (scale from `min_scale` or data.min_scale)."""
+        scale = (min_scale or self.cfg.min_scale, 1.0)
+        aug = [transforms.RandomResizedCrop(image_size, scale=scale, antialias=True)]
+        if self.cfg.hflip:
+            aug.append(transforms.RandomHorizontalFlip())
+        ds = copy.copy(self._train)
+        ds.transform = transforms.Compose(aug + self._normalize())
+        sampler = DistributedSampler(ds, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=self.seed,
+                                     drop_last=True)
+        seed = self.seed + 7919 * self.rank
+        loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=self.cfg.workers, drop_last=True,
+                            pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(seed),
+                            persistent_workers=False)
+        return EpochLoader(loader, sampler, seed)
+
+    def val_loader(self, image_size: int, batch_size: int) -> EpochLoader:
+        """This rank's share of the validation set, resized and center-cropped, each image exactly once overall."""
+        ds = copy.copy(self._val)
+        ds.transform = transforms.Compose([
+            transforms.Resize(round(image_size * self.cfg.val_resize_ratio), antialias=True),
+            transforms.CenterCrop(image_size)] + self._normalize())
+        shard = Subset(ds, range(self.rank, len(ds), self.world_size))
+        loader = DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=self.cfg.workers,
+                            pin_memory=self.pin_memory)
+        return EpochLoader(loader, None, self.seed)

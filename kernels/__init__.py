@@ -1,0 +1,10 @@
+"""MSTopK, fused LARS and Adam: a torch reference, a fast CPU path and a Triton path for CUDA.
+
+Imports nothing from the rest of the repository (trainer, data, recipes import this package).
+"""
+
+from kernels.adam import build_adam
+from kernels.lars import FusedLARS
+from kernels.mstopk import mstopk, mstopk_reference
+
+__all__ = ["FusedLARS", "build_adam", "mstopk", "mstopk_reference"]

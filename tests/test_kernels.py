@@ -1,0 +1,337 @@
+"""kernels/: MSTopK (reference, compiled CPU path, Triton in its interpreter), FusedLARS, Adam."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels.lars as lars_module
+from kernels import FusedLARS, _native, build_adam, mstopk, mstopk_reference
+
+mstopk_module = importlib.import_module("kernels.mstopk")  # kernels.mstopk is also the function
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def gradient_like(n: int, seed: int = 0) -> torch.Tensor:
+    """Heavy-tailed like real gradients: a normal scaled by a log-normal."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen) * torch.randn(n, generator=gen).exp()
+
+
+def recall(indices: torch.Tensor, x: torch.Tensor, k: int) -> float:
+    exact = torch.topk(x.abs(), k).indices
+    return torch.isin(indices, exact).sum().item() / k
+
+
+def assert_same(result: tuple[torch.Tensor, torch.Tensor],
+                expected: tuple[torch.Tensor, torch.Tensor]) -> None:
+    assert torch.equal(result[1], expected[1])
+    assert torch.equal(result[0], expected[0])
+
+
+# ---------------------------------------------------------------- MSTopK selection
+
+
+@pytest.mark.parametrize("n", [1_000, 100_000, 1_000_000])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
+def test_mstopk_exact_k_high_recall_and_same_as_reference(n: int, density: float) -> None:
+    x = gradient_like(n, seed=n)
+    k = max(1, int(n * density))
+    values, indices = mstopk(x, k)
+    assert indices.dtype == torch.int64 and indices.numel() == k
+    assert torch.equal(indices, indices.sort().values) and indices.unique().numel() == k
+    assert torch.equal(values, x[indices])  # original signed values
+    assert recall(indices, x, k) >= 0.99
+    assert_same((values, indices), mstopk_reference(x, k))
+
+
+@pytest.mark.parametrize("iters", [1, 3, 7, 32])
+def test_mstopk_other_iteration_counts_match_reference(iters: int) -> None:
+    x = gradient_like(50_000, seed=iters)
+    result = mstopk(x, 500, iters)
+    assert result[1].numel() == 500
+    assert_same(result, mstopk_reference(x, 500, iters))
+
+
+# ---------------------------------------------------------------- MSTopK guards
+
+IMPLEMENTATIONS = [mstopk, mstopk_reference]
+
+
+@pytest.mark.parametrize("topk", IMPLEMENTATIONS)
+@pytest.mark.parametrize("k", [100, 101])
+def test_k_at_least_numel_returns_everything(topk, k: int) -> None:
+    x = gradient_like(100)
+    values, indices = topk(x, k)
+    assert torch.equal(indices, torch.arange(100)) and torch.equal(values, x)
+
+
+@pytest.mark.parametrize("topk", IMPLEMENTATIONS)
+@pytest.mark.parametrize("x, k, iters, match", [
+    (torch.ones(10), 0, 20, "k must be positive, got k=0"),
+    (torch.ones(10), -3, 20, "k must be positive, got k=-3"),
+    (torch.ones(10), 2.0, 20, "k must be an int, got float"),
+    (torch.ones(10), 2, 0, r"iters must be in \[1, 32\], got 0"),
+    (torch.arange(10), 2, 20, "x must be a floating-point tensor, got torch.int64"),
+    (torch.tensor([1.0, float("nan"), 2.0, 3.0]), 1, 20, "input contains NaN or inf"),
+    (torch.tensor([1.0, float("-inf"), 2.0, 3.0]), 1, 20, "input contains NaN or inf"),
+])
+def test_bad_input_raises(topk, x: torch.Tensor, k, iters: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        topk(x, k, iters)
+
+
+@pytest.mark.parametrize("topk", IMPLEMENTATIONS)
+def test_k_beyond_count_above_mean_falls_back_to_exact_topk(topk) -> None:
+    x = gradient_like(10_000, seed=1)
+    k = 6_000  # well over the ~30% of elements at or above mean(|x|)
+    values, indices = topk(x, k)
+    exact = torch.topk(x.abs(), k).indices.sort().values
+    assert torch.equal(indices, exact) and torch.equal(values, x[exact])
+
+
+@pytest.mark.parametrize("topk", IMPLEMENTATIONS)
+@pytest.mark.parametrize("fill", [0.0, -2.5])
+def test_all_equal_input_still_gives_exactly_k(topk, fill: float) -> None:
+    x = torch.full((5_000,), fill)
+    values, indices = topk(x, 37)
+    assert torch.equal(indices, torch.arange(37)) and torch.equal(values, torch.full((37,), fill))
+
+
+@pytest.mark.parametrize("topk", IMPLEMENTATIONS)
+def test_more_than_k_ties_at_the_maximum_take_the_first(topk) -> None:
+    x = torch.tensor([1.0, -5.0, 0.5, 5.0, 5.0, 2.0, -5.0])
+    values, indices = topk(x, 2)
+    assert indices.tolist() == [1, 3] and values.tolist() == [-5.0, 5.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_is_compared_in_fp32_and_returned_in_its_dtype(dtype) -> None:
+    x = gradient_like(20_000, seed=2).to(dtype)
+    values, indices = mstopk(x, 200)
+    assert values.dtype == dtype and indices.numel() == 200
+    assert torch.equal(indices, mstopk(x.float(), 200)[1])
+    assert_same((values, indices), mstopk_reference(x, 200))
+
+
+def test_multidimensional_input_is_flattened() -> None:
+    x = gradient_like(6_000, seed=3)
+    values, indices = mstopk(x.view(60, 100), 60)
+    assert_same((values, indices), mstopk(x, 60))
+
+
+# ---------------------------------------------------------------- native build
+
+
+def test_native_build_is_cached(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DAWNBENCH_KERNEL_CACHE", str(tmp_path))
+    built = _native.build("mstopk_cpu")
+    mtime = built.stat().st_mtime_ns
+    assert _native.build("mstopk_cpu") == built and built.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary files left
+
+
+def test_missing_compiler_warns_and_falls_back_to_reference(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DAWNBENCH_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    message = "could not build mstopk_cpu.*'no-such-compiler' not found"
+    with pytest.warns(RuntimeWarning, match=message):
+        assert _native.load.__wrapped__("mstopk_cpu") is None
+    monkeypatch.setattr(mstopk_module, "native_library", lambda: None)
+    x = gradient_like(3_000, seed=4)
+    assert_same(mstopk(x, 30), mstopk_reference(x, 30))
+
+
+# ---------------------------------------------------------------- Triton path (interpreter)
+
+TRITON_SCRIPT = textwrap.dedent("""
+    import torch
+    from kernels.mstopk import mstopk_reference
+    from kernels.mstopk_triton import mstopk_triton
+
+    def gradient_like(n, seed):
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(n, generator=gen) * torch.randn(n, generator=gen).exp()
+
+    cases = [(gradient_like(20_000, 0), 20, 20), (gradient_like(20_000, 1), 2_000, 20),
+             (gradient_like(9_000, 2), 90, 7), (gradient_like(9_000, 3), 6_000, 20),
+             (torch.zeros(5_000), 10, 20), (torch.tensor([1.0, -5.0, 0.5, 5.0, 5.0]), 2, 20),
+             (gradient_like(8_000, 4).half(), 80, 20)]
+    for x, k, iters in cases:
+        values, indices = mstopk_triton(x, k, iters)
+        expected_values, expected_indices = mstopk_reference(x, k, iters)
+        assert torch.equal(indices, expected_indices), (x.numel(), k, iters)
+        assert torch.equal(values, expected_values), (x.numel(), k, iters)
+    try:
+        mstopk_triton(torch.tensor([1.0, float("nan"), 2.0]), 1, 20)
+    except ValueError as err:
+        assert "NaN or inf" in str(err)
+    else:
+        raise AssertionError("NaN was not rejected")
+    print("triton interpreter ok")
+""")
+
+
+def test_triton_kernels_match_reference_in_interpreter() -> None:
+    pytest.importorskip("triton", reason="Triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "triton interpreter ok" in proc.stdout
+
+
+# ---------------------------------------------------------------- FusedLARS
+
+
+def reference_lars(params, grads_per_step, groups, lrs, momenta):
+    """A plain per-tensor loop of the formula in FusedLARS's docstring."""
+    bufs = [torch.zeros_like(p) for p in params]
+    for step, grads in enumerate(grads_per_step):
+        lr, mu = lrs[step], momenta[step]
+        for i, (w, g) in enumerate(zip(params, grads)):
+            opt = groups[i]
+            if opt["lars_exclude"]:
+                d = g.clone()
+            else:
+                wd = opt["weight_decay"]
+                w_norm, g_norm = w.norm().item(), g.norm().item()
+                ratio = 1.0
+                if w_norm > 0 and g_norm > 0:
+                    ratio = opt["trust_coefficient"] * w_norm / (g_norm + wd * w_norm + opt["eps"])
+                if opt["trust_clip"]:
+                    ratio = min(ratio / lr, 1.0)
+                d = (g + wd * w) * ratio
+            bufs[i] = mu * bufs[i] + d
+            w -= lr * (d + mu * bufs[i] if opt["nesterov"] else bufs[i])
+    return params
+
+
+def lars_problem(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(16, 8, 3, 3), (32, 16), (10,), (64,), (5, 5)]
+    params = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    params[4].zero_()  # ||w|| = 0 -> ratio 1
+    grads = []
+    for _ in range(20):
+        step = [torch.randn(s, generator=gen, dtype=torch.float64) * 0.01 for s in shapes]
+        step[1].zero_()  # ||g|| = 0 -> ratio 1, only weight decay moves it
+        grads.append(step)
+    return params, grads
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("trust_clip", [False, True])
+@pytest.mark.parametrize("block", [1 << 17, 300])  # one cache block, or several
+def test_fused_lars_matches_per_tensor_reference(nesterov: bool, trust_clip: bool, block: int,
+                                                 monkeypatch) -> None:
+    monkeypatch.setattr(lars_module, "CPU_BLOCK_ELEMENTS", block)
+    params, grads = lars_problem()
+    options = dict(weight_decay=5e-2, trust_coefficient=0.02, eps=1e-8, nesterov=nesterov,
+                   trust_clip=trust_clip)
+    decay = {**options, "lars_exclude": False}
+    exclude = {**options, "lars_exclude": True}
+    groups = [decay, decay, exclude, exclude, decay]
+    lrs = [0.5 * (1 + s) / 20 for s in range(20)]  # a warm-up schedule
+    momenta = [0.9 + 0.004 * s for s in range(20)]  # cyclic-momentum-like
+
+    weights = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = FusedLARS([{"params": [weights[i] for i in (0, 1, 4)]},
+                     {"params": weights[2:4], "lars_exclude": True}], lr=lrs[0], **options)
+    for step, g in enumerate(grads):
+        for group in opt.param_groups:
+            group["lr"], group["momentum"] = lrs[step], momenta[step]
+        for w, gw in zip(weights, g):
+            w.grad = gw.clone()
+        opt.step()
+    expected = reference_lars([p.clone() for p in params], grads, groups, lrs, momenta)
+    for w, e, p in zip(weights, expected, params):
+        torch.testing.assert_close(w.detach(), e, rtol=1e-6, atol=1e-12)
+    for i in (0, 2, 4):  # the updates are not negligible, so the comparison means something
+        assert (weights[i] - params[i]).abs().max() > 1e-3
+
+
+def test_fused_lars_state_dict_round_trip() -> None:
+    params, grads = lars_problem(seed=1)
+
+    def make(weights):
+        return FusedLARS([{"params": weights[:2]}, {"params": weights[2:], "lars_exclude": True}],
+                         lr=0.1, weight_decay=1e-3, trust_clip=True)
+
+    straight = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = make(straight)
+    for g in grads:
+        for w, gw in zip(straight, g):
+            w.grad = gw.clone()
+        opt.step()
+
+    resumed = [torch.nn.Parameter(p.clone()) for p in params]
+    first = make(resumed)
+    for g in grads[:10]:
+        for w, gw in zip(resumed, g):
+            w.grad = gw.clone()
+        first.step()
+    state = copy.deepcopy(first.state_dict())
+    copies = [torch.nn.Parameter(w.detach().clone()) for w in resumed]
+    second = make(copies)
+    second.load_state_dict(state)
+    for g in grads[10:]:
+        for w, gw in zip(copies, g):
+            w.grad = gw.clone()
+        second.step()
+    for a, b in zip(straight, copies):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(lr=-0.1), "lr must be >= 0, got -0.1"),
+    (dict(lr=0.1, momentum=-0.5), "momentum must be >= 0, got -0.5"),
+    (dict(lr=0.1, weight_decay=-1e-4), "weight_decay must be >= 0, got -0.0001"),
+    (dict(lr=0.1, trust_coefficient=0.0), "trust_coefficient must be > 0, got 0.0"),
+])
+def test_fused_lars_rejects_bad_options(kwargs, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        FusedLARS([torch.nn.Parameter(torch.ones(3))], **kwargs)
+
+
+def test_fused_lars_rejects_sparse_gradients() -> None:
+    w = torch.nn.Parameter(torch.ones(4, 2))
+    w.grad = torch.ones(4, 2).to_sparse()
+    with pytest.raises(ValueError, match="sparse gradients are not supported"):
+        FusedLARS([w], lr=0.1).step()
+
+
+# ---------------------------------------------------------------- Adam
+
+
+@pytest.mark.parametrize("name, cls", [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)])
+def test_build_adam_matches_torch_reference(name: str, cls) -> None:
+    params, grads = lars_problem(seed=2)
+    params = [p.float() for p in params]
+    options = dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-7, weight_decay=1e-2)
+    built_weights = [torch.nn.Parameter(p.clone()) for p in params]
+    ref_weights = [torch.nn.Parameter(p.clone()) for p in params]
+    built = build_adam(built_weights, name, **options)
+    reference = cls(ref_weights, foreach=False, **options)
+    assert built.defaults["fused"] is True  # CPU supports the fused kernel
+    for g in grads:
+        for a, b, gw in zip(built_weights, ref_weights, g):
+            a.grad, b.grad = gw.float(), gw.float().clone()
+        built.step()
+        reference.step()
+    for a, b in zip(built_weights, ref_weights):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_build_adam_rejects_unknown_name() -> None:
+    with pytest.raises(ValueError, match="unknown name 'sgd' \\(valid: adam, adamw\\)"):
+        build_adam([torch.nn.Parameter(torch.ones(2))], "sgd")

@@ -1,0 +1,85 @@
+"""Checkpoints: atomic (temp file, fsync, rename) and self-checking (a SHA-256 trailer).
+
+A file is `torch.save` bytes followed by a trailer `MAGIC + sha256(payload)`. A torn write (no trailer)
+or flipped bits (digest mismatch) is detected on load, and the newest *valid* checkpoint is used instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MAGIC = b"\nDAWNCKPT1:"
+_TRAILER = len(MAGIC) + 64
+_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+
+
+class CorruptCheckpointError(ValueError):
+    """The file is truncated or its checksum does not match."""
+
+
+def save_atomic(state: dict[str, Any], path: Path) -> None:
+    """Write `state` to `path` so that readers see either the old file or the complete new one."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.write(MAGIC + hashlib.sha256(payload).hexdigest().encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_verified(path: Path) -> dict[str, Any]:
+    """Load a checkpoint written by `save_atomic`, raising CorruptCheckpointError if it is torn or altered."""
+    data = path.read_bytes()
+    payload, trailer = data[:-_TRAILER], data[-_TRAILER:]
+    if len(data) < _TRAILER or not trailer.startswith(MAGIC):
+        raise CorruptCheckpointError(f"{path}: truncated (no checksum trailer)")
+    if hashlib.sha256(payload).hexdigest().encode() != trailer[len(MAGIC):]:
+        raise CorruptCheckpointError(f"{path}: checksum mismatch")
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+
+
+class Checkpointer:
+    """Numbered checkpoints in one folder; keeps the newest `keep`."""
+
+    def __init__(self, folder: str | Path, keep: int = 2) -> None:
+        self.folder = Path(folder)
+        self.keep = keep
+
+    def paths(self) -> list[Path]:
+        """Existing checkpoints, newest first."""
+        if not self.folder.is_dir():
+            return []
+        found = [p for p in self.folder.iterdir() if _NAME.match(p.name)]
+        return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)), reverse=True)
+
+    def save(self, state: dict[str, Any], step: int) -> Path:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"ckpt-{step:08d}.pt"
+        save_atomic(state, path)
+        for old in self.paths()[self.keep:]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def load_latest(self) -> tuple[dict[str, Any], Path] | None:
+        """The newest checkpoint that verifies; corrupt ones are reported and skipped."""
+        for path in self.paths():
+            try:
+                return load_verified(path), path
+            except CorruptCheckpointError as e:
+                warnings.warn(f"skipping checkpoint: {e}", stacklevel=2)
+        return None

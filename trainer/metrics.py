@@ -1,0 +1,131 @@
+"""Metrics: one logger, several writers (TensorBoard, JSONL, DAWNBench TSV/JSON) behind one interface.
+
+Only rank 0 writes; other ranks get the null logger. Tags are grouped by prefix (`loss/`, `eval/`,
+`time/`, `comm/`, `schedule/`, `memory/`), and every epoch record carries the wall-clock seconds since the
+run started, so time-to-accuracy curves can be drawn from the JSONL or read in TensorBoard (`tta/` tags
+use elapsed seconds as their step).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.config import require
+
+
+@dataclass
+class LogConfig:
+    dir: str = "runs/default"
+    """Run output folder: config.yaml, metrics.jsonl, TensorBoard events, DAWNBench files, checkpoints."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under dir/tensorboard."""
+    every_steps: int = 20
+    """Log training scalars every this many steps."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.dir), "log.dir: must not be empty")
+        require(self.every_steps > 0, f"log.every_steps: must be > 0, got {self.every_steps}")
+
+
+class Writer:
+    """A metrics sink. `step` is the global step; `record` has flat `prefix/name` keys."""
+
+    def write(self, kind: str, step: int, record: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlWriter(Writer):
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "a", buffering=1)
+
+    def write(self, kind: str, step: int, record: dict[str, float]) -> None:
+        self.file.write(json.dumps({"kind": kind, "step": step, **record}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardWriter(Writer):
+    def __init__(self, path: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # tensorboard is in requirements.txt; say how to get it back
+            raise ImportError("log.tensorboard: true needs the tensorboard package (pip install tensorboard, "
+                              "or set log.tensorboard=false)") from e
+        self.tb = SummaryWriter(str(path))
+
+    def write(self, kind: str, step: int, record: dict[str, float]) -> None:
+        wall = record.get("time/wall_clock")
+        for tag, value in record.items():
+            if isinstance(value, (int, float)) and not tag.startswith("time/wall_clock"):
+                self.tb.add_scalar(tag, value, step, walltime=wall)
+        if kind == "epoch" and "time/elapsed_s" in record:  # accuracy against wall-clock seconds
+            for name in ("top1", "top5"):
+                if f"eval/{name}" in record:
+                    self.tb.add_scalar(f"tta/{name}_vs_seconds", record[f"eval/{name}"],
+                                       int(record["time/elapsed_s"]), walltime=wall)
+
+    def close(self) -> None:
+        self.tb.close()
+
+
+class DawnbenchWriter(Writer):
+    """The DAWNBench TSV (`epoch hours top1Accuracy top5Accuracy`, accuracies in percent), one row per eval."""
+
+    HEADER = "epoch\thours\ttop1Accuracy\ttop5Accuracy\n"
+
+    def __init__(self, path: Path) -> None:
+        fresh = not path.exists()
+        self.file = open(path, "a", buffering=1)
+        if fresh:
+            self.file.write(self.HEADER)
+
+    def write(self, kind: str, step: int, record: dict[str, float]) -> None:
+        if kind == "epoch" and "eval/top1" in record:
+            self.file.write(f"{int(record['epoch']) + 1}\t{record['time/elapsed_s'] / 3600:.6f}\t"
+                            f"{100 * record['eval/top1']:.4f}\t{100 * record['eval/top5']:.4f}\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class MetricsLogger:
+    """Fans records out to the writers; `summary()` writes the run's JSON summary at the end."""
+
+    def __init__(self, writers: list[Writer], run_dir: Path | None = None) -> None:
+        self.writers = writers
+        self.run_dir = run_dir
+
+    def log(self, kind: str, step: int, record: dict[str, Any]) -> None:
+        record = {"time/wall_clock": time.time(), **record}
+        for w in self.writers:
+            w.write(kind, step, record)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        if self.run_dir is not None:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+
+
+def build_metrics(cfg: LogConfig, is_main: bool) -> MetricsLogger:
+    """Rank 0 writes JSONL, DAWNBench TSV and (optionally) TensorBoard into log.dir; others write nothing."""
+    if not is_main:
+        return MetricsLogger([])
+    run_dir = Path(cfg.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    writers: list[Writer] = [JsonlWriter(run_dir / "metrics.jsonl"), DawnbenchWriter(run_dir / "dawnbench.tsv")]
+    if cfg.tensorboard:
+        writers.append(TensorBoardWriter(run_dir / "tensorboard"))
+    return MetricsLogger(writers, run_dir)
