@@ -1,0 +1,57 @@
+# DAWNBench recipes. `make quickstart` and `make test` work on a fresh clone: they set up the venv first.
+SHELL := /bin/bash
+PYTHON_SYS ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCHRUN := $(VENV)/bin/torchrun
+STAMP := $(VENV)/.installed
+
+# Cluster launch (make resnet50-dawnbench NNODES=16 NODE_RANK=0 MASTER_ADDR=node0 DATA=/data/imagenet)
+NNODES ?= 1
+NODE_RANK ?= 0
+MASTER_ADDR ?= 127.0.0.1
+MASTER_PORT ?= 29500
+GPUS_PER_NODE ?= 8
+DATA ?= datasets/imagenet
+NPROC ?= 2
+ARGS ?=
+
+.PHONY: setup test quickstart digits resnet50-dawnbench resnet50-1node tensorboard bench clean-runs
+
+setup: $(STAMP)
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -c "from kernels._native import build_all; build_all()"
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest tests -q
+
+digits: setup
+	$(PY) scripts/prepare_digits.py --out datasets/digits
+
+quickstart: digits
+	$(TORCHRUN) --standalone --nproc_per_node $(NPROC) -m recipes.resnet50 --config configs/quickstart_cpu.yaml $(ARGS)
+	$(PY) scripts/plot_tta.py runs/quickstart --out runs/quickstart/tta.png
+	@echo "TensorBoard: make tensorboard   (logs in runs/quickstart/tensorboard)"
+
+define cluster_run
+	$(PY) -c "from data import check_dataset; check_dataset('$(DATA)')" || exit 2
+	$(TORCHRUN) --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(GPUS_PER_NODE) \
+	  --master_addr $(MASTER_ADDR) --master_port $(MASTER_PORT) \
+	  -m recipes.resnet50 --config $(1) data.root=$(DATA) $(ARGS)
+endef
+
+resnet50-dawnbench: setup
+	$(call cluster_run,configs/resnet50_dawnbench.yaml)
+
+resnet50-1node: setup
+	$(call cluster_run,configs/resnet50_1node.yaml)
+
+tensorboard: setup
+	$(VENV)/bin/tensorboard --logdir runs --bind_all
+
+bench: setup
+	@for b in scripts/bench/[!_c]*.py; do echo "== $$b"; PYTHONPATH=. $(PY) $$b $(ARGS) || exit 1; done

@@ -1,0 +1,82 @@
+"""Draw time-to-accuracy curves (validation accuracy against wall-clock time) of one or more runs to PNG.
+
+    python scripts/plot_tta.py runs/quickstart [runs/other ...] --out tta.png [--metric top1] [--target 0.95]
+
+Each run folder needs the `metrics.jsonl` the trainer writes; the target line defaults to the first run's
+configured target (train.target_top1 / target_top5 in its summary.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_curve(run_dir: Path, metric: str) -> tuple[list[float], list[float]]:
+    """(elapsed seconds, accuracy) of every evaluated epoch; a resumed run's repeated epochs keep the last."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found (is {run_dir} a run folder written by a recipe?)")
+    by_epoch: dict[int, tuple[float, float]] = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "epoch" and f"eval/{metric}" in rec:
+            by_epoch[int(rec["epoch"])] = (rec["time/elapsed_s"], rec[f"eval/{metric}"])
+    points = [by_epoch[e] for e in sorted(by_epoch)]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def configured_target(run_dir: Path, metric: str) -> float | None:
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        return json.loads(summary.read_text()).get(f"target_{metric}") or None
+    return None
+
+
+def plot(run_dirs: list[Path], out: Path, metric: str = "top1", target: float | None = None,
+         labels: list[str] | None = None) -> Path:
+    """Write the PNG and return its path."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    longest = 1.0
+    for i, run in enumerate(run_dirs):
+        seconds, acc = read_curve(run, metric)
+        if not seconds:
+            raise ValueError(f"{run}: no evaluated epochs with eval/{metric} in metrics.jsonl")
+        scale, unit = (60.0, "min") if max(seconds) > 300 else (1.0, "s")
+        longest = max(longest, max(seconds))
+        ax.plot([s / scale for s in seconds], [100 * a for a in acc], marker="o", markersize=3,
+                label=labels[i] if labels else run.name)
+    target = target if target is not None else configured_target(run_dirs[0], metric)
+    if target:
+        ax.axhline(100 * target, color="grey", linestyle="--", linewidth=1, label=f"target {100 * target:.1f}%")
+    ax.set_xlabel(f"wall-clock time ({'min' if longest > 300 else 's'})")
+    ax.set_ylabel(f"validation {metric} accuracy (%)")
+    ax.set_title("Time to accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders (log.dir of each run)")
+    parser.add_argument("--out", type=Path, default=Path("tta.png"))
+    parser.add_argument("--metric", choices=["top1", "top5"], default="top1")
+    parser.add_argument("--target", type=float, default=None, help="target accuracy as a fraction")
+    parser.add_argument("--labels", nargs="*", help="legend labels, one per run")
+    args = parser.parse_args()
+    print(plot(args.runs, args.out, args.metric, args.target, args.labels))
+
+
+if __name__ == "__main__":
+    main()
