@@ -16,7 +16,7 @@ DATA ?= datasets/imagenet
 NPROC ?= 2
 ARGS ?=
 
-.PHONY: setup test quickstart digits resnet50-dawnbench resnet50-1node tensorboard bench clean-runs
+.PHONY: setup test quickstart digits resnet50-dawnbench resnet50-1node tensorboard bench
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -38,7 +38,7 @@ quickstart: digits
 	@echo "TensorBoard: make tensorboard   (logs in runs/quickstart/tensorboard)"
 
 define cluster_run
-	$(PY) -c "from data import check_dataset; check_dataset('$(DATA)')" || exit 2
+	$(PY) -m data $(DATA)
 	$(TORCHRUN) --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(GPUS_PER_NODE) \
 	  --master_addr $(MASTER_ADDR) --master_port $(MASTER_PORT) \
 	  -m recipes.resnet50 --config $(1) data.root=$(DATA) $(ARGS)
@@ -54,4 +54,5 @@ tensorboard: setup
 	$(VENV)/bin/tensorboard --logdir runs --bind_all
 
 bench: setup
-	@for b in scripts/bench/[!_c]*.py; do echo "== $$b"; PYTHONPATH=. $(PY) $$b $(ARGS) || exit 1; done
+	@for b in scripts/bench/*.py; do case $$b in */__init__.py|*/common.py) continue;; esac; \
+	  echo "== $$b"; PYTHONPATH=. $(PY) $$b $(ARGS) || exit 1; done

@@ -8,7 +8,7 @@ IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
 
 PREPARE_HINT = ("prepare it with `make digits` (the embedded default: scikit-learn's handwritten digits), or "
                 "for ImageNet extract ILSVRC2012 into train/<wnid>/*.JPEG and val/<wnid>/*.JPEG (README, "
-                "'Preparing ImageNet')")
+                "'Running on a cluster')")
 
 
 class DatasetNotFoundError(ValueError):
@@ -40,3 +40,4 @@ def check_dataset(root: str | Path) -> int:
         raise DatasetNotFoundError(f"{Path(root).resolve()}: train/ and val/ have different classes "
                                    f"(e.g. {', '.join(missing[:5])})")
     return len(train)
+

@@ -19,7 +19,7 @@ import torch
 import torchvision
 from torch import nn
 
-from data import DataConfig, build_image_data
+from data import DataConfig, DatasetNotFoundError, build_image_data
 from trainer.cli import parse_config
 from trainer.comm import CommConfig, build_communicator
 from trainer.config import require, save_config, to_dict
@@ -113,4 +113,7 @@ def print_result(summary: dict, cfg: Config) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DatasetNotFoundError as e:  # a user mistake: one line, not a traceback from every rank
+        raise SystemExit(f"dataset error: {e}") from None
