@@ -274,7 +274,8 @@ class Trainer:
         loader.set_epoch(self.epoch)
         steps = self.steps_per_epoch(phase)
         peak, total = self.optim_cfg.lr, float(self.cfg.epochs)
-        images_seen, data_s, loss_sum = 0, 0.0, torch.zeros(())
+        images_seen, data_s, done = 0, 0.0, 0
+        loss_sum = torch.zeros((), device=self.topo.device)  # summed on the device: no per-step host sync
         window_start, window_images = time.perf_counter(), 0
         epoch_start = time.perf_counter()
         batches = iter(loader)
@@ -290,8 +291,8 @@ class Trainer:
             momentum = get_momentum(lr, peak, self.schedule, self.optim_cfg.momentum)
             set_lr_momentum(self.optimizer, lr, momentum)
             loss, comm_stats = self.train_step(images, labels)
-            loss_sum += loss.float().cpu()
-            self.step += 1
+            loss_sum += loss.float()
+            self.step, done = self.step + 1, done + 1
             images_seen += len(labels) * self.topo.world_size
             window_images += len(labels) * self.topo.world_size
             bar.update(1)
@@ -308,7 +309,7 @@ class Trainer:
                 bar.set_postfix(epoch=self.epoch, loss=f"{value:.3f}", lr=f"{lr:.3g}")
                 window_start, window_images = now, 0
         seconds = time.perf_counter() - epoch_start
-        return {"loss/train_epoch": float(loss_sum) / max(1, i + 1), "time/images_per_s_epoch": images_seen / seconds,
+        return {"loss/train_epoch": float(loss_sum) / max(1, done), "time/images_per_s_epoch": images_seen / seconds,
                 "time/data_share": data_s / seconds}
 
     def print_plan(self, resumed_from: str | None) -> None:
