@@ -23,6 +23,8 @@ def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, e
     try:
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
         fn(rank, world, *args)
+        if dist.is_initialized():
+            dist.barrier()  # nobody tears gloo down while a peer still talks to it (SIGABRT in gloo's thread)
     except BaseException:  # noqa: BLE001 - reported to the parent with the rank
         errors.put((rank, traceback.format_exc()))
     finally:
