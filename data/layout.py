@@ -40,4 +40,3 @@ def check_dataset(root: str | Path) -> int:
         raise DatasetNotFoundError(f"{Path(root).resolve()}: train/ and val/ have different classes "
                                    f"(e.g. {', '.join(missing[:5])})")
     return len(train)
-
