@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         if cfg.train.channels_last:
             model = model.to(memory_format=torch.channels_last)
         optimizer = build_optimizer(model, cfg.optim)
-        comm = build_communicator(cfg.comm, model, topo, cfg.dist.timeout_s)
+        comm = build_communicator(cfg.comm, model, topo)
         if topo.is_main:
             save_config(cfg, Path(cfg.log.dir) / "config.yaml")
         metrics = build_metrics(cfg.log, topo.is_main)

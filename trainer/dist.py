@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -21,8 +22,9 @@ from trainer.config import ConfigError, require
 
 @dataclass
 class DistConfig:
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """Collective backend: auto = NCCL where CUDA exists, gloo otherwise."""
+    backend: Literal["auto", "nccl", "gloo", "horovod"] = "auto"
+    """Collective backend: auto = NCCL where CUDA exists, gloo otherwise; horovod = Horovod's collectives
+    (launch with horovodrun; install with `make horovod`)."""
     timeout_s: float = 300.0
     """Seconds a collective may wait for a peer before the run fails with an error naming the operation."""
     ranks_per_node: int = 0
@@ -34,6 +36,83 @@ class DistConfig:
         require(self.ranks_per_node >= 0, f"dist.ranks_per_node: must be >= 0, got {self.ranks_per_node}")
 
 
+class CommTimeoutError(RuntimeError):
+    """A collective did not complete in time: a peer is hung, dead or unreachable."""
+
+
+class Group:
+    """Collectives over a torch.distributed process group (sums; tensors of equal size on every rank).
+
+    The synchronous ones wait at most `timeout` and then raise CommTimeoutError naming this rank and the
+    operation. The communicators and the train loop use only this interface, so Horovod can stand in
+    (`HorovodGroup`).
+    """
+
+    def __init__(self, pg: Any, global_rank: int, timeout: datetime.timedelta) -> None:
+        self.pg, self.global_rank, self.timeout = pg, global_rank, timeout
+        self.size, self.rank = dist.get_world_size(pg), dist.get_rank(pg)
+        self._reduce_scatter_ok = True
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for an async handle, turning a timeout or a dead peer into a CommTimeoutError."""
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise CommTimeoutError(
+                f"rank {self.global_rank}: {what} did not complete within {self.timeout.total_seconds():.0f}s "
+                f"(dist.timeout_s); a peer is hung, dead or unreachable: {e}") from e
+
+    def all_reduce_async(self, t: torch.Tensor) -> Any:
+        return dist.all_reduce(t, group=self.pg, async_op=True)
+
+    def all_reduce_(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        self.wait(self.all_reduce_async(t), what)
+        return t
+
+    def all_gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's `t`, concatenated in rank order along dim 0."""
+        out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
+        self.wait(_all_gather_single(out, t, group=self.pg, async_op=True), what)
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """This rank's 1/size slice of the sum of every rank's `t` (t.numel() divisible by size)."""
+        shard = t.numel() // self.size
+        if self._reduce_scatter_ok:
+            out = t.new_empty(shard)
+            try:
+                self.wait(_reduce_scatter_single(out, t, group=self.pg, async_op=True), what)
+                return out
+            except (RuntimeError, ValueError) as e:
+                if isinstance(e, CommTimeoutError) or "not supported" not in str(e).lower():
+                    raise
+                # Some gloo builds lack reduce-scatter for some dtypes: allreduce and keep our slice (sends
+                # 2x the bytes, same result). Every rank takes the same path: support depends on dtype only.
+                self._reduce_scatter_ok = False
+        self.all_reduce_(t, what)
+        return t[self.rank * shard:(self.rank + 1) * shard].clone()
+
+    def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
+        self.wait(dist.broadcast(t, src=dist.get_global_rank(self.pg, src) if self.pg is not None else src,
+                                 group=self.pg, async_op=True), "broadcast")
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.pg)
+        return box[0]
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's `obj` on `dst` (None elsewhere)."""
+        out = [None] * self.size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self.pg)
+        return out
+
+
+# torch >= 2.14 names; the GPU machine's torch 2.11 has only the older ones.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 @dataclass
 class Topology:
     """Where this process sits: global rank, node and rank within the node, with the groups that go with them."""
@@ -43,10 +122,13 @@ class Topology:
     local_rank: int = 0
     ranks_per_node: int = 1
     device: torch.device = torch.device("cpu")
-    intra_node: dist.ProcessGroup | None = None
+    world: Group | None = None
+    """All ranks; None on a single process."""
+    intra_node: Group | None = None
     """Ranks of this node; None when the node has one rank."""
-    inter_node: dist.ProcessGroup | None = None
+    inter_node: Group | None = None
     """Ranks with this local rank on every node; None when there is one node."""
+    backend: str = "none"
 
     @property
     def node(self) -> int:
@@ -81,11 +163,22 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def node_layout(world: int, per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The ranks of each node, and the ranks sharing each local rank (node-major numbering)."""
+    nodes = [list(range(n * per_node, (n + 1) * per_node)) for n in range(world // per_node)]
+    peers = [list(range(lr, world, per_node)) for lr in range(per_node)]
+    return nodes, peers
+
+
 def setup_distributed(cfg: DistConfig) -> Topology:
     """Join (or reuse) the process group from torchrun's or Slurm's environment and build the node groups.
 
-    A single process without launcher variables runs without a process group.
+    A single process without launcher variables runs without a process group. `dist.backend: horovod`
+    hands over to `trainer.horovod_backend` (Horovod's own launcher and collectives).
     """
+    if cfg.backend == "horovod":
+        from trainer.horovod_backend import setup_horovod  # optional dependency, imported only when chosen
+        return setup_horovod(cfg)
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
@@ -100,7 +193,8 @@ def setup_distributed(cfg: DistConfig) -> Topology:
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    topo = Topology(rank=rank, world_size=world, local_rank=local_rank, ranks_per_node=per_node, device=device)
+    topo = Topology(rank=rank, world_size=world, local_rank=local_rank, ranks_per_node=per_node, device=device,
+                    backend=backend)
     if world == 1:
         return topo
     if not dist.is_initialized():
@@ -110,22 +204,28 @@ def setup_distributed(cfg: DistConfig) -> Topology:
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.timeout_s), device_id=device
                                 if device.type == "cuda" else None)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    topo.world = Group(None, rank, timeout)
     # Every rank must create every subgroup, in the same order.
     if 1 < per_node < world:
-        nodes = [list(range(n * per_node, (n + 1) * per_node)) for n in range(world // per_node)]
-        peers = [list(range(lr, world, per_node)) for lr in range(per_node)]
-        topo.intra_node, _ = dist.new_subgroups_by_enumeration(nodes, backend=backend)
-        topo.inter_node, _ = dist.new_subgroups_by_enumeration(peers, backend=backend)
+        nodes, peers = node_layout(world, per_node)
+        # The groups' own timeout matters: gloo's reduce-scatter ignores Work.wait's (measured, torch 2.14).
+        intra, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend=backend)
+        inter, _ = dist.new_subgroups_by_enumeration(peers, timeout=timeout, backend=backend)
+        topo.intra_node, topo.inter_node = Group(intra, rank, timeout), Group(inter, rank, timeout)
     elif per_node == world:
-        topo.intra_node = dist.group.WORLD
+        topo.intra_node = topo.world
     else:
-        topo.inter_node = dist.group.WORLD
+        topo.inter_node = topo.world
     return topo
 
 
 def teardown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None and hvd.is_initialized():
+        hvd.shutdown()
 
 
 def all_reduce_sum(values: list[float], topo: Topology) -> list[float]:
@@ -133,8 +233,7 @@ def all_reduce_sum(values: list[float], topo: Topology) -> list[float]:
     if not topo.distributed:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=topo.device)
-    dist.all_reduce(t)
-    return t.tolist()
+    return topo.world.all_reduce_(t, "all_reduce_sum").tolist()
 
 
 def broadcast_flag(flag: bool, topo: Topology) -> bool:
@@ -142,5 +241,5 @@ def broadcast_flag(flag: bool, topo: Topology) -> bool:
     if not topo.distributed:
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=topo.device)
-    dist.broadcast(t, src=0)
+    topo.world.broadcast_(t, src=0)
     return bool(t.item())

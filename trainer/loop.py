@@ -16,7 +16,6 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
@@ -91,7 +90,7 @@ def broadcast_module(module: nn.Module, topo: Topology, buffers_only: bool = Fal
     tensors = list(module.buffers()) + ([] if buffers_only else list(module.parameters()))
     with torch.no_grad():
         for t in tensors:
-            dist.broadcast(t.data, src=0)
+            topo.world.broadcast_(t.data, src=0)
 
 
 def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
@@ -129,9 +128,11 @@ class Trainer:
 
     # ------------------------------------------------------------ state
 
-    def state_dict(self) -> dict:
+    def state_dict(self, comm_state: dict) -> dict:
+        """Everything needed to resume; `comm_state` is the communicator's state of every rank
+        (`Communicator.gather_state()`, a collective)."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict(), "comm": self.comm.state_dict(),
+                "scaler": self.scaler.state_dict(), "comm": comm_state,
                 "trainer": {"epoch": self.epoch, "step": self.step, "elapsed_s": self.elapsed_s,
                             "history": self.history, "time_to_target_s": self.time_to_target_s},
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
@@ -141,7 +142,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
-        self.comm.load_state_dict(state["comm"])
+        self.comm.load_gathered_state(state["comm"])
         t = state["trainer"]
         self.epoch, self.step, self.elapsed_s = t["epoch"], t["step"], t["elapsed_s"]
         self.history, self.time_to_target_s = t["history"], t["time_to_target_s"]
@@ -154,21 +155,22 @@ class Trainer:
         if not self.cfg.resume:
             return None
         found = self.checkpointer.load_latest() if self.topo.is_main else None
-        box = [(found[0], str(found[1])) if found else None]
+        found = (found[0], str(found[1])) if found else None
         if self.topo.distributed:
-            dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
+            found = self.topo.world.broadcast_object(found, src=0)
+        if found is None:
             return None
-        self.load_state_dict(box[0][0])
-        return box[0][1]
+        self.load_state_dict(found[0])
+        return found[1]
 
     def maybe_checkpoint(self, last: bool) -> None:
         every = self.cfg.checkpoint_every_epochs
         if not every or not (last or self.epoch % every == 0):
             return
         broadcast_module(self.model, self.topo, buffers_only=True)
+        comm_state = self.comm.gather_state()  # every rank's error-feedback residuals, on rank 0
         if self.topo.is_main:
-            self.checkpointer.save(self.state_dict(), self.step)
+            self.checkpointer.save(self.state_dict(comm_state), self.step)
 
     # ------------------------------------------------------------ data
 
@@ -305,7 +307,7 @@ class Trainer:
                 self.metrics.log("step", self.step, {
                     "epoch": self.epoch + i / steps, "loss/train": value, "schedule/lr": lr,
                     "schedule/momentum": momentum, "time/images_per_s": window_images / (now - window_start),
-                    "comm/bytes_sent": comm_stats["bytes_sent"], "comm/wait_s": comm_stats["wait_s"]})
+                    **{f"comm/{k}": v for k, v in comm_stats.items()}})
                 bar.set_postfix(epoch=self.epoch, loss=f"{value:.3f}", lr=f"{lr:.3g}")
                 window_start, window_images = now, 0
         seconds = time.perf_counter() - epoch_start

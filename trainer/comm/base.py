@@ -1,27 +1,35 @@
 """The communicator interface and gradient buckets, launched from autograd hooks.
 
 Parameters are packed into buckets in reverse registration order (roughly the order backward produces
-their gradients). When every gradient of a bucket has been accumulated, the bucket is launched as an
-asynchronous collective — but only after all buckets before it, so every rank issues its collectives in
-the same order (gloo and NCCL match collectives by order). `finish()` launches what is left, waits, and
-writes the averaged gradients back before the optimizer step.
+their gradients). When every gradient of a bucket has been accumulated, the bucket is launched — but only
+after all buckets before it, so every rank issues its collectives in the same order (gloo and NCCL match
+collectives by order). `finish()` launches what is left, waits, and writes the averaged gradients back
+before the optimizer step.
+
+Two ways to launch:
+- a single async collective per bucket (`DenseAllreduce`): `launch` starts it, `complete` waits;
+- a chain of collectives whose later stages need the results of earlier ones (top-k: select, then
+  allgather; hierarchical: reduce-scatter, select, allgather, allgather). `ExchangeCommunicator` runs each
+  bucket's chain on one background thread, buckets in launch order — Horovod's background-thread design.
+  The thread issues every collective in the same order on every rank, and the chain of one bucket
+  overlaps the backward pass of the next ones (collectives and the C selection kernel release the GIL).
+  A DDP comm hook would give the same overlap for one-collective schemes but not a fixed order across
+  several process groups, nor per-bucket residual state we control.
 """
 
 from __future__ import annotations
 
-import datetime
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from trainer.dist import Topology
+from trainer.dist import CommTimeoutError, Topology
 
-
-class CommTimeoutError(RuntimeError):
-    """A collective did not complete in time: a peer is hung, dead or unreachable."""
+__all__ = ["Bucket", "CommTimeoutError", "Communicator", "ExchangeCommunicator", "LocalCommunicator",
+           "make_buckets"]
 
 
 @dataclass
@@ -31,7 +39,7 @@ class Bucket:
     numel: int
     ready: int = 0
     work: object | None = None
-    """The pending collective (or a communicator-specific handle) once launched."""
+    """The pending collective (or a Future of the exchange thread) once launched."""
     buffer: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
@@ -53,17 +61,28 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
     return buckets
 
 
-class Communicator:
-    """Averages gradients over ranks. Subclasses implement `launch(bucket)` and `complete(bucket)`."""
+def _zero_stats() -> dict[str, float]:
+    return {"bytes_sent": 0.0, "bytes_inter_node": 0.0, "wait_s": 0.0, "select_s": 0.0,
+            "sent_elements": 0.0, "selected_from": 0.0}
 
-    def __init__(self, model: nn.Module, topo: Topology, bucket_mb: float, timeout_s: float) -> None:
+
+class Communicator:
+    """Averages gradients over ranks. Subclasses implement `launch(bucket)` and `complete(bucket)`.
+
+    Per-step stats (`finish()` returns them): bytes this rank sent (all links, and inter-node only),
+    seconds the optimizer waited for communication after backward (the part not hidden), seconds spent in
+    top-k selection, and the achieved density (elements sent / elements they were selected from).
+    """
+
+    def __init__(self, model: nn.Module, topo: Topology, bucket_mb: float) -> None:
         self.topo = topo
-        self.timeout = datetime.timedelta(seconds=timeout_s)
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = make_buckets(params, bucket_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
-        self.step_stats = {"bytes_sent": 0.0, "wait_s": 0.0}
+        self.steps = 0
+        """Completed exchanges (checkpointed: dense warm-up counts them)."""
+        self.stats = _zero_stats()
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -85,7 +104,7 @@ class Communicator:
     def finish(self) -> dict[str, float]:
         """Launch any bucket not yet launched (unused parameters count as zero), wait for all, write back.
 
-        Returns this step's stats: bytes sent by this rank and seconds spent waiting (not hidden by backward).
+        Returns this step's stats (see the class docstring), then starts counting the next step's.
         """
         while self._next < len(self.buckets):
             self._launch_next()
@@ -102,18 +121,42 @@ class Communicator:
                 offset += p.numel()
             bucket.ready, bucket.work, bucket.buffer = 0, None, None
         self._next = 0
-        self.step_stats["wait_s"] = time.perf_counter() - start
-        stats, self.step_stats = self.step_stats, {"bytes_sent": 0.0, "wait_s": 0.0}
+        self.steps += 1
+        stats, self.stats = self.stats, _zero_stats()
+        stats["wait_s"] = time.perf_counter() - start
+        sent, selected_from = stats.pop("sent_elements"), stats.pop("selected_from")
+        stats["density"] = sent / selected_from if selected_from else 1.0
         return stats
 
-    def wait(self, work: dist.Work, what: str) -> None:
-        """Wait for `work`, turning a timeout or a dead peer into an error that names this rank and the op."""
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as e:
-            raise CommTimeoutError(
-                f"rank {self.topo.rank}: {what} did not complete within {self.timeout.total_seconds():.0f}s "
-                f"(dist.timeout_s); a peer is hung, dead or unreachable: {e}") from e
+    def count(self, sent: float = 0.0, inter_node: float = 0.0, select_s: float = 0.0, sent_elements: float = 0.0,
+              selected_from: float = 0.0) -> None:
+        """Add to this step's stats (called from the exchange thread too: each key has one writer at a time)."""
+        s = self.stats
+        s["bytes_sent"] += sent
+        s["bytes_inter_node"] += inter_node
+        s["select_s"] += select_s
+        s["sent_elements"] += sent_elements
+        s["selected_from"] += selected_from
+
+    # ------------------------------------------------------------ state (error feedback lives here)
+
+    def state_dict(self) -> dict:
+        """This rank's state."""
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = state["steps"]
+
+    def gather_state(self) -> dict:
+        """Every rank's `state_dict()`, on rank 0 (a collective: call it on every rank)."""
+        return {"world_size": self.topo.world_size, "ranks": self.topo.world.gather_object(self.state_dict())}
+
+    def load_gathered_state(self, gathered: dict) -> None:
+        """Restore this rank's part of `gather_state()`'s result (the same world size is required)."""
+        if gathered.get("world_size") != self.topo.world_size:
+            raise ValueError(f"the checkpoint's communicator state is for {gathered.get('world_size')} ranks, this "
+                             f"run has {self.topo.world_size}")
+        self.load_state_dict(gathered["ranks"][self.topo.rank])
 
     # ------------------------------------------------------------ to implement
 
@@ -124,11 +167,43 @@ class Communicator:
         """Wait for the bucket's collectives and return its averaged flat gradient."""
         raise NotImplementedError
 
-    def state_dict(self) -> dict:
-        return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        pass
+class ExchangeCommunicator(Communicator):
+    """Runs `exchange(bucket) -> averaged flat gradient` for each bucket on one background thread, in order."""
+
+    def __init__(self, model: nn.Module, topo: Topology, bucket_mb: float) -> None:
+        super().__init__(model, topo, bucket_mb)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"comm-rank{topo.rank}")
+        self._stream = torch.cuda.Stream(topo.device) if topo.device.type == "cuda" else None
+
+    def launch(self, bucket: Bucket) -> None:
+        ready = None
+        if self._stream is not None:  # the thread's stream must wait for the kernels that produced the buffer
+            ready = torch.cuda.Event()
+            ready.record()
+            bucket.buffer.record_stream(self._stream)
+        bucket.work = self._thread.submit(self._run, bucket, ready)
+
+    def _run(self, bucket: Bucket, ready: torch.cuda.Event | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if self._stream is None:
+            return self.exchange(bucket), None
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            out = self.exchange(bucket)
+            done = torch.cuda.Event()
+            done.record()
+        return out, done
+
+    def complete(self, bucket: Bucket) -> torch.Tensor:
+        future: Future = bucket.work
+        out, done = future.result()  # an exception of the thread (a CommTimeoutError, say) is raised here
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+            out.record_stream(torch.cuda.current_stream())
+        return out
+
+    def exchange(self, bucket: Bucket) -> torch.Tensor:
+        raise NotImplementedError
 
 
 class LocalCommunicator(Communicator):
@@ -136,6 +211,11 @@ class LocalCommunicator(Communicator):
 
     def __init__(self, model: nn.Module, topo: Topology) -> None:  # noqa: D107 - no hooks needed
         self.topo = topo
+        self.steps = 0
 
     def finish(self) -> dict[str, float]:
-        return {"bytes_sent": 0.0, "wait_s": 0.0}
+        self.steps += 1
+        return {"bytes_sent": 0.0, "bytes_inter_node": 0.0, "wait_s": 0.0, "select_s": 0.0, "density": 1.0}
+
+    def gather_state(self) -> dict:
+        return {"world_size": 1, "ranks": [self.state_dict()]}

@@ -3,30 +3,37 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from trainer.comm.base import Bucket, Communicator
 from trainer.dist import Topology
 
-_WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def ring_allreduce_bytes(topo: Topology, nbytes: float) -> tuple[float, float]:
+    """Bytes one rank sends in a ring allreduce of `nbytes`: all links, and its share of inter-node links.
+
+    A ring sends 2 (W-1)/W of the buffer per rank; of the W hops of a node-major ring, N cross nodes.
+    """
+    w = topo.world_size
+    sent = 2 * (w - 1) / w * nbytes
+    return sent, (sent * topo.num_nodes / w if topo.num_nodes > 1 else 0.0)
 
 
 class DenseAllreduce(Communicator):
-    def __init__(self, model: nn.Module, topo: Topology, bucket_mb: float, timeout_s: float,
-                 compression: str = "none") -> None:
-        super().__init__(model, topo, bucket_mb, timeout_s)
-        self.wire_dtype = _WIRE_DTYPES[compression]
+    def __init__(self, model: nn.Module, topo: Topology, bucket_mb: float, compression: str = "none") -> None:
+        super().__init__(model, topo, bucket_mb)
+        self.wire_dtype = WIRE_DTYPES[compression]
 
     def launch(self, bucket: Bucket) -> None:
         flat = bucket.buffer if self.wire_dtype is None else bucket.buffer.to(self.wire_dtype)
         bucket.extra["wire"] = flat
-        bucket.work = dist.all_reduce(flat, async_op=True)
-        # A ring allreduce sends 2 (W-1)/W of the buffer per rank.
-        w = self.topo.world_size
-        self.step_stats["bytes_sent"] += 2 * (w - 1) / w * flat.numel() * flat.element_size()
+        bucket.work = self.topo.world.all_reduce_async(flat)
+        sent, inter = ring_allreduce_bytes(self.topo, flat.numel() * flat.element_size())
+        self.count(sent=sent, inter_node=inter, sent_elements=flat.numel(), selected_from=flat.numel())
 
     def complete(self, bucket: Bucket) -> torch.Tensor:
-        self.wait(bucket.work, f"allreduce of gradient bucket {bucket.index} ({bucket.numel} elements)")
+        self.topo.world.wait(bucket.work, f"allreduce of gradient bucket {bucket.index} ({bucket.numel} elements)")
         wire = bucket.extra.pop("wire")
         return wire.to(bucket.buffer.dtype).div_(self.topo.world_size)

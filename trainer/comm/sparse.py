@@ -1,0 +1,121 @@
+"""Sparse gradient exchange with error feedback: flat top-k and the paper's hierarchical top-k (HiTopKComm).
+
+One algorithm covers both. Ranks form "nodes" (`intra`, fast links) and each rank talks to the ranks with
+the same local rank on the other nodes (`inter`, the slow network). Per bucket of n gradient elements:
+
+1. dense reduce-scatter inside the node: this rank gets the node's sum of its 1/L shard (L ranks per node;
+   the bucket is zero-padded to a multiple of L, so no bucket is left out for its size);
+2. error feedback: add this rank's residual for the shard, then MSTopK picks k = ceil(density * n / L);
+   what is not picked stays in the residual for the next step;
+3. allgather of the k (value, index) pairs among the N nodes' ranks of this local rank, scatter-added;
+4. allgather of the shards inside the node, divided by the world size: the averaged dense gradient.
+
+`topk` is the flat case: every rank is its own node (L = 1, N = W), so steps 1 and 4 vanish and every rank
+exchanges its own top-k with everyone. `hitopk` uses the real node layout; on a single node it is a
+dense reduce-scatter + allgather (there is no slow link to save), on 1-rank nodes it equals `topk`.
+
+Values and int32 indices travel in one fp32 payload (indices bit-cast), one collective per stage.
+Buckets below `dense_below` elements, and every bucket during the first `dense_warmup_steps` steps, are
+averaged by a dense allreduce instead (selection costs more than it saves on small tensors).
+
+Non-finite gradients (an fp16 overflow step that the loss scaler will skip) cannot be selected from: that
+rank sends NaN values, so every rank sees a non-finite gradient and skips the same step, and its residual
+keeps its previous value.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import nn
+
+from kernels import mstopk
+from trainer.comm.base import Bucket, ExchangeCommunicator
+from trainer.comm.dense import ring_allreduce_bytes
+from trainer.dist import Group, Topology
+
+
+def pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """One fp32 payload: the values, then the int32 indices bit-cast to fp32."""
+    return torch.cat([values.float(), indices.to(torch.int32).view(torch.float32)])
+
+
+def scatter_payloads(payloads: torch.Tensor, parts: int, size: int) -> torch.Tensor:
+    """Sum `parts` concatenated payloads of (values, indices) into a dense vector of `size` elements."""
+    rows = payloads.view(parts, 2, -1)
+    out = payloads.new_zeros(size)
+    out.index_add_(0, rows[:, 1].contiguous().view(torch.int32).reshape(-1).long(), rows[:, 0].reshape(-1))
+    return out
+
+
+class SparseAllgather(ExchangeCommunicator):
+    """Top-k with error feedback, flat (`intra=None, inter=world`) or hierarchical (the node groups)."""
+
+    def __init__(self, model: nn.Module, topo: Topology, bucket_mb: float, density: float, dense_below: int,
+                 dense_warmup_steps: int, intra: Group | None, inter: Group | None, selection_iters: int = 20) -> None:
+        super().__init__(model, topo, bucket_mb)
+        self.density, self.dense_below, self.dense_warmup_steps = density, dense_below, dense_warmup_steps
+        self.intra, self.inter, self.iters = intra, inter, selection_iters
+        self.residuals: dict[int, torch.Tensor] = {}
+        """Error feedback per bucket index: the unsent part of this rank's shard of the node's gradient."""
+
+    @property
+    def local_size(self) -> int:
+        return self.intra.size if self.intra is not None else 1
+
+    def is_sparse(self, bucket: Bucket) -> bool:
+        """Decided from config and step count only, so every rank takes the same path."""
+        return bucket.numel >= self.dense_below and self.steps >= self.dense_warmup_steps
+
+    def exchange(self, bucket: Bucket) -> torch.Tensor:
+        flat, what = bucket.buffer, f"gradient bucket {bucket.index} ({bucket.numel} elements)"
+        if not self.is_sparse(bucket):
+            sent, inter = ring_allreduce_bytes(self.topo, flat.numel() * flat.element_size())
+            self.count(sent=sent, inter_node=inter, sent_elements=flat.numel(), selected_from=flat.numel())
+            return self.topo.world.all_reduce_(flat, f"allreduce of {what}").div_(self.topo.world_size)
+        n, local = flat.numel(), self.local_size
+        padded = math.ceil(n / local) * local
+        if padded != n:
+            flat = torch.cat([flat, flat.new_zeros(padded - n)])
+        shard = flat
+        if self.intra is not None:
+            shard = self.intra.reduce_scatter(flat, f"intra-node reduce-scatter of {what}")
+            self.count(sent=(local - 1) / local * padded * flat.element_size())
+        shard = self.select_and_exchange(bucket.index, shard, what)
+        if self.intra is not None:
+            shard = self.intra.all_gather(shard, f"intra-node allgather of {what}")
+            self.count(sent=(local - 1) / local * padded * flat.element_size())
+        return shard[:n].div_(self.topo.world_size)
+
+    def select_and_exchange(self, index: int, shard: torch.Tensor, what: str) -> torch.Tensor:
+        """Residual add, top-k, sparse allgather among this local rank's peers on other nodes; the sum."""
+        if self.inter is None:  # one node: nothing crosses a slow link, the shard is already the full sum
+            return shard
+        size = shard.numel()
+        residual = self.residuals.get(index)
+        acc = shard.float().add_(residual) if residual is not None else shard.float()
+        k = min(size, max(1, math.ceil(self.density * size)))
+        start = time.perf_counter()
+        try:
+            values, indices = mstopk(acc, k, iters=self.iters)
+            payload = pack(values, indices)  # before the fill below: values may be a view of acc
+            acc.index_fill_(0, indices, 0.0)  # the unsent remainder becomes the new residual
+            self.residuals[index] = acc
+        except ValueError:
+            if bool(torch.isfinite(acc).all()):
+                raise
+            payload = pack(acc.new_full((k,), float("nan")), torch.arange(k, device=acc.device))
+        self.count(select_s=time.perf_counter() - start, sent_elements=k, selected_from=size)
+        gathered = self.inter.all_gather(payload, f"inter-node sparse allgather of {what}")
+        nbytes = (self.inter.size - 1) * payload.numel() * 4
+        self.count(sent=nbytes, inter_node=nbytes)
+        return scatter_payloads(gathered, self.inter.size, size)
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "residuals": {i: r.cpu() for i, r in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = state["steps"]
+        self.residuals = {int(i): r.to(self.topo.device) for i, r in state.get("residuals", {}).items()}
