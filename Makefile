@@ -16,7 +16,7 @@ DATA ?= datasets/imagenet
 NPROC ?= 2
 ARGS ?=
 
-.PHONY: setup test quickstart digits resnet50-dawnbench resnet50-1node tensorboard bench
+.PHONY: setup test horovod quickstart digits resnet50-dawnbench resnet50-1node tensorboard bench
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -28,6 +28,10 @@ $(STAMP): requirements.txt
 
 test: setup
 	$(PY) -m pytest tests -q
+
+# Horovod 0.28.1 patched for torch >= 2.1 and built from source (~2-4 min once; the wheel is cached).
+horovod: setup
+	PY=$(PY) scripts/install_horovod.sh
 
 digits: setup
 	$(PY) scripts/prepare_digits.py --out datasets/digits

@@ -92,8 +92,8 @@ def reference_step(kind: str, world: int, per_node: int, cfg: CommConfig, step: 
 
 
 def _matches_reference(rank: int, world: int, kind: str, per_node: int, density: float, warmup: int,
-                       integer: bool, steps: int) -> None:
-    topo = setup_distributed(DistConfig(ranks_per_node=per_node))
+                       integer: bool, steps: int, backend: str = "auto") -> None:
+    topo = setup_distributed(DistConfig(ranks_per_node=per_node, backend=backend))
     cfg = CommConfig(kind=kind, bucket_mb=BUCKET_MB, density=density, dense_below=20, dense_warmup_steps=warmup)
     model = Params()
     comm = build_communicator(cfg, model, topo)

@@ -1,0 +1,104 @@
+"""`dist.backend: horovod`: the same communicators and train loop on Horovod's collectives.
+
+Launched by `horovodrun` (`make horovod` installs Horovod 0.28.1, see scripts/install_horovod.sh). The
+node groups are Horovod process sets, registered at `hvd.init` in the same order on every rank. Horovod
+has no per-call timeout, so `wait` polls the handle against `dist.timeout_s` and raises the same
+CommTimeoutError as the torch.distributed backend.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import Any
+
+import torch
+
+from trainer.config import ConfigError
+from trainer.dist import CommTimeoutError, DistConfig, Group, Topology, node_layout
+
+try:
+    import horovod.torch as hvd
+except ImportError:  # reported when the backend is chosen, not at import
+    hvd = None
+
+
+class HorovodGroup(Group):
+    """`Group` over a Horovod process set."""
+
+    def __init__(self, process_set: Any, global_rank: int, timeout: datetime.timedelta) -> None:  # noqa: D107
+        self.ps, self.global_rank, self.timeout = process_set, global_rank, timeout
+        self.size, self.rank = process_set.size(), process_set.rank()
+
+    def wait(self, handle: Any, what: str) -> Any:
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not hvd.poll(handle):
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(
+                    f"rank {self.global_rank}: {what} did not complete within {self.timeout.total_seconds():.0f}s "
+                    f"(dist.timeout_s); a peer is hung, dead or unreachable")
+            time.sleep(0.0002)
+        return hvd.synchronize(handle)
+
+    def all_reduce_async(self, t: torch.Tensor) -> Any:
+        return hvd.allreduce_async_(t, op=hvd.Sum, process_set=self.ps)
+
+    def all_gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        return self.wait(hvd.allgather_async(t, process_set=self.ps), what)
+
+    def reduce_scatter(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        return self.wait(hvd.reducescatter_async(t, op=hvd.Sum, process_set=self.ps), what)
+
+    def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
+        self.wait(hvd.broadcast_async_(t, root_rank=src, process_set=self.ps), "broadcast")
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return hvd.broadcast_object(obj, root_rank=src, process_set=self.ps)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        gathered = hvd.allgather_object(obj, process_set=self.ps)
+        return gathered if self.rank == dst else None
+
+
+_registered_sets: list = []
+
+
+def setup_horovod(cfg: DistConfig) -> Topology:
+    """Initialise Horovod with the node process sets; the Topology the rest of the trainer uses."""
+    if hvd is None:
+        raise ConfigError("dist.backend: horovod needs Horovod, which is not installed (run `make horovod`)")
+    world = int(os.environ.get("HOROVOD_SIZE", "1"))
+    per_node = cfg.ranks_per_node or int(os.environ.get("HOROVOD_LOCAL_SIZE", str(world)))
+    if world % per_node:
+        raise ConfigError(f"dist.ranks_per_node: {per_node} does not divide the world size {world}")
+    nodes, peers = node_layout(world, per_node)
+    split = 1 < per_node < world
+    if hvd.is_initialized():  # process sets are fixed at init: a second setup must ask for the same layout
+        sets = _registered_sets
+        if [ps.ranks for ps in sets] != (nodes + peers if split else []):
+            raise ConfigError("dist.ranks_per_node: Horovod is already initialised with another node layout")
+    else:
+        sets = [hvd.ProcessSet(r) for r in nodes + peers] if split else []
+        hvd.init(process_sets=sets or None)
+        _registered_sets[:] = sets
+    rank = hvd.rank()
+    local_rank = rank % per_node if cfg.ranks_per_node else hvd.local_rank()
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    topo = Topology(rank=rank, world_size=hvd.size(), local_rank=local_rank, ranks_per_node=per_node, device=device,
+                    backend="horovod")
+    if topo.world_size == 1:
+        return topo
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    topo.world = HorovodGroup(hvd.global_process_set, rank, timeout)
+    if split:
+        mine = [ps for ps in sets if ps.included()]
+        topo.intra_node, topo.inter_node = (HorovodGroup(ps, rank, timeout) for ps in mine)
+    elif per_node == topo.world_size:
+        topo.intra_node = topo.world
+    else:
+        topo.inter_node = topo.world
+    return topo
