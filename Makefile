@@ -39,6 +39,7 @@ digits: setup
 quickstart: digits
 	$(TORCHRUN) --standalone --nproc_per_node $(NPROC) -m recipes.resnet50 --config configs/quickstart_cpu.yaml $(ARGS)
 	$(PY) scripts/plot_tta.py runs/quickstart --out runs/quickstart/tta.png
+	$(PY) scripts/dawnbench_report.py runs/quickstart --out runs/quickstart/dawnbench --hardware auto
 	@echo "TensorBoard: make tensorboard   (logs in runs/quickstart/tensorboard)"
 
 define cluster_run

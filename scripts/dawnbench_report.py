@@ -1,0 +1,391 @@
+"""DAWNBench entry files and a markdown summary from a finished run folder.
+
+    python scripts/dawnbench_report.py runs/quickstart [--out DIR] [--author NAME] [--hardware TEXT|auto]
+                                       [--cost-per-hour USD] [--framework TEXT]
+
+Writes into DIR (default RUN_DIR/dawnbench), in the format of the ImageNet training entries of
+https://github.com/stanford-futuredata/dawn-bench-entries (README.md, "ImageNet Training"):
+
+  <author>_<model>_<hardware tag>_<framework>.json   version, author, authorEmail, framework, codeURL, model,
+                                                      hardware, costPerHour (USD), timestamp (yyyy-mm-dd), misc
+  <author>_<model>_<hardware tag>_<framework>.tsv    epoch, hours, top1Accuracy, top5Accuracy (percent), one row
+                                                      per evaluated epoch of the run
+  report.md                                           the run beside published ImageNet entries
+
+Everything about the run is read from its files (summary.json, config.yaml, dawnbench.tsv); the published
+figures are the cited constants below. `--hardware auto` describes the machine the script runs on: use it
+only where the run itself ran (`make quickstart` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repo importable
+
+from trainer.metrics import DawnbenchWriter  # noqa: E402  (the TSV format is defined once, there)
+
+DAWNBENCH_VERSION = "v1.0"  # the only version the entries repository defines
+LEADERBOARD = "https://dawn.cs.stanford.edu/benchmark/"
+ENTRIES = "https://github.com/stanford-futuredata/dawn-bench-entries/blob/master/ImageNet/train/"
+
+
+# ------------------------------------------------------------ published ImageNet entries (cited constants)
+
+@dataclass(frozen=True)
+class PublishedEntry:
+    """A published ResNet-50 ImageNet result: time to 93% top-5 validation accuracy, as its sources state it."""
+
+    name: str
+    hardware: str
+    time_s: int
+    """Time to 93% top-5, seconds (the published h:mm:ss)."""
+    cost_usd: float | None
+    """Published training cost; None where the sources give none."""
+    sources: tuple[str, ...]
+
+
+ALIBABA_128_V100 = PublishedEntry(
+    "Alibaba Cloud AIACC, ResNet50-v1.5 (DAWNBench #1 time, Mar 2020)",
+    "16 × ecs.gn6e-c12g1.24xlarge = 128 V100-32G, 32 Gbps VPC", 2 * 60 + 38, None,
+    (LEADERBOARD, ENTRIES + "alibabacloud_resnet50_gn6e_16_machine_tensorflow.json"))
+SHI_ET_AL_128_V100 = PublishedEntry(
+    "Shi et al., MLSys 2021 (the system this repository implements)",
+    "16 Tencent Cloud nodes × 8 = 128 V100, 25 Gbit/s Ethernet", 2 * 60 + 31, None,
+    ("https://arxiv.org/abs/2010.10458",))
+FASTAI_IMAGENET18 = PublishedEntry(
+    "fast.ai/DIUx imagenet18, ResNet-50 (Sep 2018)",
+    "16 × AWS p3.16xlarge = 128 V100", 18 * 60 + 6, None,
+    (LEADERBOARD, ENTRIES + "fastai_resnet50_p3_16_machine_pytorch.json", "https://github.com/diux-dev/imagenet18"))
+ALIBABA_1_NODE = PublishedEntry(
+    "Alibaba Cloud AIACC, ResNet50-v1.5, single node (DAWNBench #1 cost, Mar 2020)",
+    "1 × ecs.gn6e-c12g1.24xlarge = 8 V100-32G", 21 * 60 + 37, 7.43,
+    (LEADERBOARD, ENTRIES + "alibabacloud_resnet50_gn6e_1_machine_tensorflow.json"))
+PUBLISHED = (ALIBABA_128_V100, SHI_ET_AL_128_V100, FASTAI_IMAGENET18, ALIBABA_1_NODE)
+PUBLISHED_TARGET = "93% top-5, ImageNet"
+
+
+class ReportError(ValueError):
+    """The run folder is missing, unfinished or inconsistent; the message is one line."""
+
+
+# ------------------------------------------------------------ reading the run
+
+@dataclass
+class Run:
+    """What a finished run folder says about itself (accuracies as fractions, times in seconds)."""
+
+    dir: Path
+    summary: dict[str, Any]
+    config: dict[str, Any]
+    history: list[dict[str, float]]
+    """One record per evaluated epoch of the final run: epoch, eval/top1, eval/top5, time/elapsed_s."""
+
+    @property
+    def world_size(self) -> int:
+        return int(self.summary["world_size"])
+
+    @property
+    def has_target(self) -> bool:
+        return bool(self.summary["target_top1"] or self.summary["target_top5"])
+
+    @property
+    def time_to_target_s(self) -> float | None:
+        return self.summary["time_to_target_s"]
+
+    @property
+    def epochs_to_target(self) -> int | None:
+        """The (1-based) epoch whose evaluation first met the target; the trainer stamps the time just before."""
+        if self.time_to_target_s is None:
+            return None
+        return next((int(h["epoch"]) + 1 for h in self.history if h["time/elapsed_s"] >= self.time_to_target_s), None)
+
+    def target_text(self) -> str:
+        parts = [f"{100 * self.summary[f'target_{k}']:g}% {k.replace('top', 'top-')}"
+                 for k in ("top1", "top5") if self.summary[f"target_{k}"]]
+        dataset = self.config.get("data", {}).get("root", "?")
+        return f"{' and '.join(parts) or 'none set'}, {dataset} (held-out split)"
+
+
+SUMMARY_KEYS = ("epochs_run", "steps", "elapsed_s", "time_to_target_s", "target_top1", "target_top5",
+                "final_top1", "final_top5", "world_size", "history")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ReportError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ReportError(f"{path}: expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def read_run(run_dir: Path) -> Run:
+    """The run's summary, resolved config and evaluation history; a clear ReportError if any is missing."""
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir}: no such run folder (pass a recipe's log.dir, e.g. runs/quickstart "
+                          f"after `make quickstart`)")
+    for name in ("summary.json", "config.yaml", "dawnbench.tsv"):
+        if not (run_dir / name).is_file():
+            raise ReportError(f"{run_dir / name}: not found (the run did not finish, or {run_dir} is not a run "
+                              f"folder written by a recipe)")
+    summary = _read_json(run_dir / "summary.json")
+    missing = [k for k in SUMMARY_KEYS if k not in summary]
+    if missing:
+        raise ReportError(f"{run_dir / 'summary.json'}: missing {', '.join(missing)} (not written by trainer/loop.py)")
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ReportError(f"{run_dir / 'config.yaml'}: not valid YAML ({' '.join(str(e).split())})") from None
+    history = summary["history"]
+    if not history:
+        raise ReportError(f"{run_dir / 'summary.json'}: no evaluated epochs in its history; nothing to report")
+    return Run(run_dir, summary, config, history)
+
+
+def read_dawnbench_tsv(path: Path) -> list[list[str]]:
+    """Rows (as strings) of a DAWNBench ImageNet training TSV, after checking the header and every value."""
+    lines = path.read_text().splitlines()
+    if not lines or lines[0] + "\n" != DawnbenchWriter.HEADER:
+        raise ReportError(f"{path}: header must be {DawnbenchWriter.HEADER.strip()!r} (tab-separated)")
+    rows = [line.split("\t") for line in lines[1:] if line.strip()]
+    for n, row in enumerate(rows, start=2):
+        try:
+            ok = len(row) == 4 and int(row[0]) >= 0 and float(row[1]) >= 0 and all(
+                0 <= float(v) <= 100 for v in row[2:])
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ReportError(f"{path}:{n}: expected 'epoch<TAB>hours<TAB>top1<TAB>top5' with accuracies in "
+                              f"percent, got {lines[n - 1]!r}")
+    return rows
+
+
+def entry_tsv(run: Run) -> tuple[str, list[list[str]]]:
+    """The final run's TSV (text and rows), written by the trainer's own writer, after checking that the run's
+    dawnbench.tsv holds exactly those rows: it is appended to, so reruns and resumed runs leave earlier rows
+    above them, and a run still in progress has rows that summary.json does not."""
+    with tempfile.TemporaryDirectory() as tmp:  # DawnbenchWriter writes files; nothing lands in --out unchecked
+        path = Path(tmp) / "entry.tsv"
+        writer = DawnbenchWriter(path)
+        for h in run.history:
+            writer.write("epoch", 0, h)
+        writer.close()
+        text, mine = path.read_text(), read_dawnbench_tsv(path)
+    logged = read_dawnbench_tsv(run.dir / "dawnbench.tsv")
+    it = iter(logged)
+    for row in mine:  # in order, possibly with rows of earlier attempts in between
+        if row not in it:
+            raise ReportError(f"{run.dir / 'dawnbench.tsv'}: no row {' '.join(row)!r} for epoch {row[0]} of "
+                              f"summary.json (the TSV belongs to another run?)")
+    if logged[-1] != mine[-1]:
+        raise ReportError(f"{run.dir / 'dawnbench.tsv'}: its last row (epoch {logged[-1][0]}) is not the last "
+                          f"evaluation in summary.json (epoch {mine[-1][0]}); is the run still going, or was it "
+                          f"restarted without finishing?")
+    return text, mine
+
+
+# ------------------------------------------------------------ hardware and the entry JSON
+
+@dataclass
+class Hardware:
+    text: str
+    tag: str
+    """Short hardware tag for the DAWNBench file name, e.g. 2cpu or 8gpu."""
+
+
+def hardware_from_run(run: Run) -> Hardware:
+    """What the run folder records: the world size, and the device only where dist.backend names it."""
+    backend = run.config.get("dist", {}).get("backend", "auto")
+    n = run.world_size
+    if backend == "gloo":  # trainer/dist.py: gloo ranks run on the CPU
+        return Hardware(f"{n} CPU process{'es' * (n != 1)} (gloo)", f"{n}cpu")
+    if backend == "nccl":  # one GPU per rank
+        return Hardware(f"{n} GPU{'s' * (n != 1)} (NCCL)", f"{n}gpu")
+    return Hardware(f"{n} rank{'s' * (n != 1)}; device not recorded in the run folder "
+                    f"(dist.backend: {backend}; pass --hardware)", f"{n}rank")
+
+
+def hardware_of_this_machine(run: Run) -> Hardware:
+    """`--hardware auto`: the device the run's dist.backend picks on this machine, and its model name."""
+    import torch  # slow to import: only when asked
+
+    from trainer.dist import resolve_backend
+
+    backend = run.config.get("dist", {}).get("backend", "auto")
+    n = run.world_size
+    try:
+        on_gpu = torch.cuda.is_available() if backend == "horovod" else resolve_backend(backend) == "nccl"
+    except ValueError as e:  # nccl configured, no CUDA here: this is not the machine that ran it
+        raise ReportError(f"--hardware auto: {e}") from None
+    if on_gpu:
+        return Hardware(f"{n} × {torch.cuda.get_device_name(0)} (one per rank; {torch.cuda.device_count()} "
+                        f"on this machine)", f"{n}gpu")
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+    return Hardware(f"{n} CPU process{'es' * (n != 1)} on {cpu}, {os.cpu_count()} logical cores, no GPU", f"{n}cpu")
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.-]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def entry_json(run: Run, author: str, author_email: str, framework: str, code_url: str, hardware: Hardware,
+               cost_per_hour: float) -> dict[str, Any]:
+    """The entry JSON: the fields of the DAWNBench README, in its order; run details go in misc."""
+    phases = run.config.get("schedule", {}).get("phases", [])
+    misc: dict[str, Any] = {
+        "dataset": run.config.get("data", {}).get("root"),
+        "target": {f"{k}Accuracy": round(100 * run.summary[f"target_{k}"], 4) for k in ("top1", "top5")},
+        "targetReached": run.time_to_target_s is not None,
+        "timeToTargetSeconds": run.time_to_target_s,
+        "epochsToTarget": run.epochs_to_target,
+        "epochsRun": run.summary["epochs_run"],
+        "steps": run.summary["steps"],
+        "elapsedSeconds": run.summary["elapsed_s"],
+        "finalTop1Accuracy": round(100 * run.summary["final_top1"], 4),
+        "finalTop5Accuracy": round(100 * run.summary["final_top5"], 4),
+        "worldSize": run.world_size,
+        "optimizer": run.config.get("optim", {}).get("name"),
+        "communicator": run.config.get("comm", {}).get("kind"),
+        "dataBackend": run.config.get("data", {}).get("backend"),
+        "imageSize": [{"image_size": p["image_size"], "epochs": p["end_epoch"] - p["start_epoch"]} for p in phases],
+        "batchSize": [{"batch_size": p["batch_size"], "epochs": p["end_epoch"] - p["start_epoch"]} for p in phases],
+        "gitCommit": run.config.get("git_commit"),
+    }
+    if not cost_per_hour:
+        misc["costNote"] = "costPerHour not given (--cost-per-hour); 0 is a placeholder, not a price"
+    return {"version": DAWNBENCH_VERSION, "author": author, "authorEmail": author_email, "framework": framework,
+            "codeURL": code_url, "model": run.config.get("model", {}).get("arch", "unknown"),
+            "hardware": hardware.text, "costPerHour": float(cost_per_hour), "timestamp": date.today().isoformat(),
+            "misc": misc}
+
+
+# ------------------------------------------------------------ the markdown summary
+
+def hms(seconds: float) -> str:
+    """DAWNBench's h:mm:ss."""
+    s = round(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def render_report(run: Run, entry: dict[str, Any], rows: list[list[str]], files: list[Path]) -> str:
+    s = run.summary
+    final = f"final top-1 {100 * s['final_top1']:.2f}%, top-5 {100 * s['final_top5']:.2f}%"
+    if run.time_to_target_s is not None:
+        tta = run.time_to_target_s
+        time_cell = f"{hms(tta)} ({tta:.1f} s, epoch {run.epochs_to_target})"
+        cost = tta / 3600 * entry["costPerHour"]  # DAWNBench: hours to target × cost per hour
+        cost_cell = f"${cost:.2f}" if entry["costPerHour"] else "$0.00 (no --cost-per-hour given)"
+        status = f"target reached in {tta:.1f} s at epoch {run.epochs_to_target}"
+    else:
+        best = max(100 * h["eval/top1"] for h in run.history)
+        label = "target not reached" if run.has_target else "no target set"
+        time_cell = f"{label} (best top-1 {best:.2f}% in {hms(s['elapsed_s'])})"
+        cost_cell = f"— ({label})"
+        status = label
+    lines = [
+        f"# DAWNBench report: {run.dir.name}",
+        "",
+        f"Run `{run.dir}`: {entry['model']}, world size {run.world_size}, {s['epochs_run']} epochs "
+        f"({s['steps']} steps) in {s['elapsed_s']:.1f} s; {final}; {status}.",
+        "",
+        "| Entry | Time to target | Target | Hardware | Cost (USD) | Source |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in PUBLISHED:
+        links = ", ".join(f"[{i + 1}]({url})" for i, url in enumerate(p.sources))
+        cost = f"${p.cost_usd:.2f}" if p.cost_usd is not None else "—"
+        lines.append(f"| {p.name} | {hms(p.time_s)} | {PUBLISHED_TARGET} | {p.hardware} | {cost} | {links} |")
+    lines.append(f"| **This run ({run.dir.name})** | {time_cell} | {run.target_text()} | {entry['hardware']} | "
+                 f"{cost_cell} | measured: `summary.json`, `dawnbench.tsv` |")
+    lines += [
+        "",
+        "Published rows are ResNet-50 on ImageNet to 93% top-5 as their sources state them; this run's task and "
+        "target are its own, so the rows stand side by side and are not a ranking. Cost is hours to target × "
+        f"cost per hour (costPerHour {entry['costPerHour']:g} USD), as DAWNBench computes it.",
+        "",
+        "## Per evaluated epoch (the entry TSV)",
+        "",
+        "| epoch | hours | top-1 % | top-5 % |",
+        "|---|---|---|---|",
+        *(f"| {' | '.join(row)} |" for row in rows),
+        "",
+        "## Files",
+        "",
+        *(f"- `{f.name}`" for f in files),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------ entry point
+
+def report(run_dir: Path, out: Path | None = None, author: str = "unknown", author_email: str = "",
+           framework: str | None = None, code_url: str = "", hardware: str | None = None,
+           cost_per_hour: float = 0.0) -> list[Path]:
+    """Write the entry JSON, the entry TSV and report.md; return their paths."""
+    if not (cost_per_hour >= 0 and math.isfinite(cost_per_hour)):
+        raise ReportError(f"--cost-per-hour: must be a finite number >= 0 (USD), got {cost_per_hour}")
+    run = read_run(run_dir)
+    tsv_text, rows = entry_tsv(run)
+    if hardware == "auto":
+        hw = hardware_of_this_machine(run)
+    elif hardware:
+        hw = Hardware(hardware, slug(hardware)[:40].strip("-"))
+    else:
+        hw = hardware_from_run(run)
+    framework = framework or f"PyTorch {importlib.metadata.version('torch')}"
+    entry = entry_json(run, author, author_email, framework, code_url, hw, cost_per_hour)
+    out = out or run_dir / "dawnbench"
+    out.mkdir(parents=True, exist_ok=True)
+    # DAWNBench names both files [author]_[model]_[hardware tag]_[framework]
+    stem = "_".join(slug(p) for p in (author, entry["model"], hw.tag, framework.split()[0]))
+    json_path, tsv_path, md_path = out / f"{stem}.json", out / f"{stem}.tsv", out / "report.md"
+    tsv_path.write_text(tsv_text)
+    json_path.write_text(json.dumps(entry, indent=4) + "\n")
+    md_path.write_text(render_report(run, entry, rows, [json_path, tsv_path]))
+    return [json_path, tsv_path, md_path]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path, help="a finished run folder (the recipe's log.dir)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/dawnbench)")
+    parser.add_argument("--author", default="unknown", help="entry author (also the file name's first part)")
+    parser.add_argument("--author-email", default="", help="entry authorEmail")
+    parser.add_argument("--framework", default=None, help="default: PyTorch <installed version>")
+    parser.add_argument("--code-url", default="", help="entry codeURL (optional in DAWNBench)")
+    parser.add_argument("--hardware", default=None,
+                        help="free text, or 'auto' to describe this machine; default: what the run folder records")
+    parser.add_argument("--cost-per-hour", type=float, default=0.0, help="USD per hour for all machines; 0 = unknown")
+    args = parser.parse_args(argv)
+    try:
+        paths = report(args.run_dir, args.out, args.author, args.author_email, args.framework, args.code_url,
+                       args.hardware, args.cost_per_hour)
+    except ReportError as e:
+        raise SystemExit(f"dawnbench_report: {e}") from None
+    for p in paths:
+        print(p)
+
+
+if __name__ == "__main__":
+    main()
