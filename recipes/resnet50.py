@@ -87,9 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
             model = model.to(memory_format=torch.channels_last)
         optimizer = build_optimizer(model, cfg.optim)
         comm = build_communicator(cfg.comm, model, topo)
+        metrics = build_metrics(cfg.log, topo.is_main, fresh=not cfg.train.resume)
         if topo.is_main:
             save_config(cfg, Path(cfg.log.dir) / "config.yaml")
-        metrics = build_metrics(cfg.log, topo.is_main)
         trainer = Trainer(cfg.train, cfg.schedule, cfg.optim, cfg.log, topo, model,
                           nn.CrossEntropyLoss(label_smoothing=cfg.model.label_smoothing), optimizer, comm, data,
                           metrics, to_dict(cfg))

@@ -110,3 +110,21 @@ def test_missing_dataset_names_where_it_looked(tmp_path):
     with pytest.raises(DatasetNotFoundError, match=r"no dataset at .*nowhere/train .*make digits"):
         main(["--config", "configs/quickstart_cpu.yaml", f"data.root={tmp_path / 'nowhere'}",
               f"log.dir={tmp_path / 'run'}"])
+
+
+def test_a_fresh_run_archives_what_an_earlier_run_left(tmp_path):
+    from trainer.metrics import LogConfig, build_metrics
+    (tmp_path / "metrics.jsonl").write_text('{"old": 1}\n')
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "ckpt-00000001.pt").write_bytes(b"old")
+    metrics = build_metrics(LogConfig(dir=str(tmp_path), tensorboard=False), is_main=True, fresh=True)
+    metrics.log("step", 1, {"loss/train": 1.0})
+    metrics.close()
+    (archived,) = (tmp_path / "previous").iterdir()
+    assert (archived / "metrics.jsonl").read_text() == '{"old": 1}\n'
+    assert (archived / "checkpoints" / "ckpt-00000001.pt").read_bytes() == b"old"
+    assert not (tmp_path / "checkpoints").exists() and "old" not in (tmp_path / "metrics.jsonl").read_text()
+    resumed = build_metrics(LogConfig(dir=str(tmp_path), tensorboard=False), is_main=True, fresh=False)
+    resumed.log("step", 2, {"loss/train": 0.5})
+    resumed.close()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2  # a resume appends

@@ -119,12 +119,35 @@ class MetricsLogger:
             w.close()
 
 
-def build_metrics(cfg: LogConfig, is_main: bool) -> MetricsLogger:
-    """Rank 0 writes JSONL, DAWNBench TSV and (optionally) TensorBoard into log.dir; others write nothing."""
+RUN_OUTPUTS = ("metrics.jsonl", "dawnbench.tsv", "summary.json", "config.yaml", "tensorboard", "checkpoints")
+
+
+def archive_previous_run(run_dir: Path) -> Path | None:
+    """Move an earlier run's outputs in `run_dir` to `run_dir/previous/<UTC time>/` (nothing is deleted).
+
+    A fresh run must not append to another run's logs, nor leave its checkpoints for a later --resume.
+    """
+    found = [run_dir / name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    if not found:
+        return None
+    dest = run_dir / "previous" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in found:
+        path.rename(dest / path.name)
+    return dest
+
+
+def build_metrics(cfg: LogConfig, is_main: bool, fresh: bool = True) -> MetricsLogger:
+    """Rank 0 writes JSONL, DAWNBench TSV and (optionally) TensorBoard into log.dir; others write nothing.
+
+    A `fresh` run (not a resume) first archives what an earlier run left in log.dir; a resume appends.
+    """
     if not is_main:
         return MetricsLogger([])
     run_dir = Path(cfg.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if fresh and (moved := archive_previous_run(run_dir)):
+        print(f"log.dir {run_dir} held an earlier run: moved it to {moved}")
     writers: list[Writer] = [JsonlWriter(run_dir / "metrics.jsonl"), DawnbenchWriter(run_dir / "dawnbench.tsv")]
     if cfg.tensorboard:
         writers.append(TensorBoardWriter(run_dir / "tensorboard"))
