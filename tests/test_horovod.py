@@ -24,3 +24,22 @@ def test_communicators_on_horovod_match_the_reference():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for kind in ("dense", "topk", "hitopk"):
         assert sum(f": {kind} OK on horovod" in line for line in proc.stdout.splitlines()) == 4, proc.stdout[-2000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("horovod") is None, reason="Horovod not installed (run `make horovod`)")
+def test_recipe_runs_on_horovod_with_a_checkpoint(tmp_path, digits_root):
+    """The whole recipe under horovodrun: broadcasts, hitopk, evaluation, the gathered checkpoint state."""
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = ["--config", "configs/quickstart_cpu.yaml", "dist.backend=horovod", f"data.root={digits_root}",
+            "data.backend=torchvision", "data.workers=0", "model.arch=resnet18", "train.threads=1", "train.epochs=1",
+            "schedule.phases=[{start_epoch: 0, end_epoch: 1, image_size: 16, batch_size: 16}]",
+            "schedule.total_epochs=1", "train.max_steps_per_epoch=3", "comm.dense_below=1000", "log.progress=false",
+            f"log.dir={tmp_path / 'run'}"]
+    proc = subprocess.run([str(horovodrun), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m",
+                           "recipes.resnet50", *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from trainer.checkpoint import Checkpointer
+    state, _ = Checkpointer(tmp_path / "run" / "checkpoints").load_latest()
+    assert state["trainer"]["step"] == 3 and len(state["comm"]["ranks"]) == 2
+    assert state["comm"]["ranks"][1]["residuals"]  # rank 1's error feedback reached rank 0's checkpoint

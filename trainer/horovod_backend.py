@@ -51,13 +51,19 @@ class HorovodGroup(Group):
         return self.wait(hvd.reducescatter_async(t, op=hvd.Sum, process_set=self.ps), what)
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
-        self.wait(hvd.broadcast_async_(t, root_rank=src, process_set=self.ps), "broadcast")
+        # Horovod needs contiguous tensors; channels-last conv weights are not.
+        buf = t if t.is_contiguous() else t.contiguous()
+        self.wait(hvd.broadcast_async_(buf, root_rank=src, process_set=self.ps), "broadcast")
+        if buf is not t:
+            t.copy_(buf)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return hvd.broadcast_object(obj, root_rank=src, process_set=self.ps)
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        gathered = hvd.allgather_object(obj, process_set=self.ps)
+        if self.ps is not hvd.global_process_set:  # Horovod 0.28's allgather_object has no process_set
+            raise NotImplementedError("gather_object on a Horovod process set other than the global one")
+        gathered = hvd.allgather_object(obj)
         return gathered if self.rank == dst else None
 
 
