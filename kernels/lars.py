@@ -1,22 +1,90 @@
-"""LARS with every per-tensor operation batched over the parameter list (torch._foreach_*).
+"""LARS with its per-tensor work batched over the whole parameter list.
 
 The paper's "parallel tensor operator": the ~161 ResNet-50 tensors get their norms, trust ratios
-and updates in a few multi-tensor calls instead of ~10 small kernels each (on the CPU, per
-cache-sized block of tensors). The trust ratios stay on the device as 0-d tensors, so a step never
-syncs with the host. On CUDA the norms and the momentum and weight updates are multi-tensor-apply
-kernels; the products with per-tensor 0-d ratios (addcmul) take torch's per-tensor foreach path.
-There is no Triton kernel over a packed pointer list: it could not be tested without a GPU here,
-and the foreach calls already remove the per-tensor Python loop.
+and updates in a few calls instead of ~10 small kernels each. Two paths, the same formula:
+
+- CPU, float32, dense (contiguous or channels_last): kernels/csrc/lars_cpu.cpp, one ctypes call per
+  param group. The step is memory-bound and the kernel passes over each tensor twice (both norms,
+  then decay + trust ratio + momentum + update fused), where the torch ops below take five or six.
+- Everything else (other dtypes or layouts, CUDA, or no C++ compiler): torch._foreach_* calls. The
+  trust ratios stay on the device as 0-d tensors, so a step never syncs with the host. On CUDA the
+  norms and the momentum and weight updates are multi-tensor-apply kernels; the products with
+  per-tensor 0-d ratios (addcmul) take torch's per-tensor foreach path. There is no Triton kernel
+  over a packed pointer list: it could not be tested without a GPU here, and the foreach calls
+  already remove the per-tensor Python loop.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from kernels import _native
+
+# ---------------------------------------------------------------- compiled CPU path
+
+
+class _Options(ctypes.Structure):
+    """`Options` in kernels/csrc/lars_cpu.cpp, field for field."""
+
+    _fields_ = [("lr", ctypes.c_double), ("momentum", ctypes.c_double),
+                ("weight_decay", ctypes.c_double), ("trust_coefficient", ctypes.c_double),
+                ("eps", ctypes.c_double), ("lars", ctypes.c_int32), ("nesterov", ctypes.c_int32),
+                ("trust_clip", ctypes.c_int32)]
+
+
+def native_library() -> ctypes.CDLL | None:
+    """The compiled CPU kernel, or None (after one warning) where it cannot be built."""
+    lib = _native.load("lars_cpu")
+    if lib is not None and lib.lars_step.argtypes is None:
+        ptr = ctypes.c_void_p
+        lib.lars_step.argtypes = [ctypes.c_int64, ptr, ptr, ptr, ptr, ctypes.POINTER(_Options),
+                                  ctypes.c_int]
+        lib.lars_step.restype = None
+    return lib
+
+
+def _kernel_takes(p: Tensor, g: Tensor, m: Tensor) -> bool:
+    """lars_cpu.cpp updates w, g and m element by element in memory order, so they must be float32
+    CPU tensors laid out alike and densely (contiguous, or channels_last as the trainer's convs)."""
+    return (p.device.type == "cpu" and p.dtype == g.dtype == m.dtype == torch.float32
+            and p.stride() == g.stride() == m.stride()
+            and (p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last)))
+
+
+def _kernel_step(lib: ctypes.CDLL, group: dict[str, Any], params: list[Tensor],
+                 grads: list[Tensor], bufs: list[Tensor]) -> None:
+    """One step of `group` over tensors that `_kernel_takes`, in one call into lars_cpu.cpp."""
+    n = len(params)
+
+    def pointers(tensors: list[Tensor]) -> ctypes.Array:
+        return (ctypes.c_void_p * n)(*[t.data_ptr() for t in tensors])
+
+    # float(): a schedule may store lr or momentum as a 0-d tensor.
+    options = _Options(float(group["lr"]), float(group["momentum"]), float(group["weight_decay"]),
+                       float(group["trust_coefficient"]), float(group["eps"]),
+                       not group["lars_exclude"], group["nesterov"], group["trust_clip"])
+    lib.lars_step(n, pointers(params), pointers(grads), pointers(bufs),
+                  (ctypes.c_int64 * n)(*[p.numel() for p in params]), ctypes.byref(options),
+                  torch.get_num_threads())
+    # The kernel writes through raw pointers, which autograd cannot see. Bump the version counters
+    # as an in-place torch op would, so a graph that saved an old weight still raises on backward
+    # instead of computing a wrong gradient.
+    torch.autograd.graph.increment_version(params)
+
+
+def _columns(triples: list[tuple[Tensor, Tensor, Tensor]]
+             ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """[(w, g, m), ...] -> ([w, ...], [g, ...], [m, ...])."""
+    params, grads, bufs = zip(*triples)
+    return list(params), list(grads), list(bufs)
+
+
+# ---------------------------------------------------------------- torch foreach path
 
 # On the CPU each foreach call streams its whole list through memory, so five calls over 100 MB of
 # ResNet-50 weights read DRAM five times. Running them on blocks of tensors small enough that w, g
@@ -95,12 +163,24 @@ class FusedLARS(Optimizer):
                 continue
             if any(p.grad.is_sparse for p in params):
                 raise ValueError("FusedLARS: sparse gradients are not supported")
-            grads = [p.grad for p in params]
-            bufs = [self._momentum_buffer(p) for p in params]
-            update = self._sgd_momentum if group["lars_exclude"] else self._lars
-            for block in _cache_blocks(params):
-                update(group, params[block], grads[block], bufs[block])
+            triples = [(p, p.grad, self._momentum_buffer(p)) for p in params]
+            # Each tensor's update is independent of the others', so the kernel takes the tensors
+            # it can and the foreach path the rest: one float64 or strided tensor slows only itself.
+            takes = [_kernel_takes(*t) for t in triples]
+            lib = native_library() if any(takes) else None
+            if lib is not None:
+                _kernel_step(lib, group, *_columns([t for t, k in zip(triples, takes) if k]))
+                triples = [t for t, k in zip(triples, takes) if not k]
+            if triples:
+                self._foreach_step(group, *_columns(triples))
         return loss
+
+    @classmethod
+    def _foreach_step(cls, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
+                      bufs: list[Tensor]) -> None:
+        update = cls._sgd_momentum if group["lars_exclude"] else cls._lars
+        for block in _cache_blocks(params):
+            update(group, params[block], grads[block], bufs[block])
 
     def _momentum_buffer(self, p: Tensor) -> Tensor:
         state = self.state[p]

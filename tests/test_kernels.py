@@ -260,8 +260,138 @@ def test_fused_lars_matches_per_tensor_reference(nesterov: bool, trust_clip: boo
         assert (weights[i] - params[i]).abs().max() > 1e-3
 
 
-def test_fused_lars_state_dict_round_trip() -> None:
+def kernel_lars_problem() -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list[bool]]:
+    """float32 tensors for the compiled path: lars_problem's edge cases (a zero weight, a zero
+    gradient, exclusions) plus a decayed tensor larger than the kernel's cache block (2^18
+    elements) and an excluded one of several tasks (2^14 elements each), so that both groups
+    start more than one thread, threads share tensors, and the decayed group has two blocks."""
+    params, grads = lars_problem(seed=3)
+    gen = torch.Generator().manual_seed(4)
+    big = [(512, 64, 3, 3), (300, 301)]
+    params += [torch.randn(s, generator=gen, dtype=torch.float64) for s in big]
+    for step in grads:
+        step += [torch.randn(s, generator=gen, dtype=torch.float64) * 0.01 for s in big]
+    excluded = [False, False, True, True, False, False, True]
+    return ([p.float() for p in params], [[g.float() for g in step] for step in grads], excluded)
+
+
+def run_fused_lars(params: list[torch.Tensor], grads: list[list[torch.Tensor]],
+                   excluded: list[bool], lrs: list[float], momenta: list[float],
+                   frozen: tuple[torch.nn.Parameter, ...] = (), **options
+                   ) -> tuple[list[torch.nn.Parameter], FusedLARS]:
+    """FusedLARS over copies of params for len(grads) steps, with a schedule of lr and momentum;
+    `frozen` parameters (grad None) join the first group."""
+    weights = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = FusedLARS([{"params": [*frozen, *(w for w, e in zip(weights, excluded) if not e)]},
+                     {"params": [w for w, e in zip(weights, excluded) if e],
+                      "lars_exclude": True}], lr=lrs[0], **options)
+    for step, g in enumerate(grads):
+        for group in opt.param_groups:
+            group["lr"], group["momentum"] = lrs[step], momenta[step]
+        for w, gw in zip(weights, g):
+            w.grad = gw.clone()
+        opt.step()
+    return weights, opt
+
+
+def assert_matches_reference(weights: list[torch.nn.Parameter], params: list[torch.Tensor],
+                             grads: list[list[torch.Tensor]], excluded: list[bool],
+                             lrs: list[float], momenta: list[float], **options) -> None:
+    """float32 results within 1e-6 of each tensor's largest value of the float64 reference: 20
+    float32 roundings of w stay near 1e-7 relative, and elements near 0 get the tensor's scale."""
+    groups = [{**options, "lars_exclude": e} for e in excluded]
+    expected = reference_lars([p.to(torch.float64, copy=True) for p in params],  # updated in place
+                              [[g.double() for g in s] for s in grads],
+                              groups, lrs, momenta)
+    for w, e, p in zip(weights, expected, params):
+        torch.testing.assert_close(w.detach().double(), e, rtol=1e-6,
+                                   atol=1e-6 * e.abs().max().item())
+        assert (w - p).abs().max() > 1e-4  # every tensor moved: the comparison means something
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("trust_clip", [False, True])
+@pytest.mark.parametrize("threads", [1, 3])  # one thread; shares that do not divide evenly
+def test_fused_lars_compiled_cpu_path_matches_reference(nesterov: bool, trust_clip: bool,
+                                                        threads: int, monkeypatch) -> None:
+    assert lars_module.native_library() is not None, "kernels/csrc/lars_cpu.cpp did not build"
+
+    def no_foreach(*args, **kwargs):
+        raise AssertionError("float32 CPU tensors took the foreach path, not lars_cpu.cpp")
+
+    monkeypatch.setattr(FusedLARS, "_foreach_step", no_foreach)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    params, grads, excluded = kernel_lars_problem()
+    # A conv weight in channels_last, as the trainer keeps them: its gradient and momentum buffer
+    # share its strides, so the kernel takes it too.
+    params[0] = params[0].to(memory_format=torch.channels_last)
+    for step in grads:
+        step[0] = step[0].to(memory_format=torch.channels_last)
+    options = dict(weight_decay=5e-2, trust_coefficient=0.02, eps=1e-8, nesterov=nesterov,
+                   trust_clip=trust_clip)
+    lrs = [0.5 * (1 + s) / 20 for s in range(20)]  # a warm-up schedule
+    momenta = [0.9 + 0.004 * s for s in range(20)]  # cyclic-momentum-like
+    frozen = torch.nn.Parameter(torch.ones(7))  # grad None: skipped, no state
+    try:
+        weights, opt = run_fused_lars(params, grads, excluded, lrs, momenta, (frozen,), **options)
+    finally:
+        torch.set_num_threads(previous_threads)
+    assert torch.equal(frozen, torch.ones(7)) and frozen not in opt.state
+    assert_matches_reference(weights, params, grads, excluded, lrs, momenta, **options)
+
+
+def test_fused_lars_mixed_and_fallback_tensors_match_reference(monkeypatch) -> None:
+    """Tensors the kernel cannot take (float64, strides unlike the weight's) take the foreach path
+    in the same step; without a compiler every tensor does, with the same result."""
+    params, grads, excluded = kernel_lars_problem()
+    params[1] = params[1].double()
+    for step in grads:
+        step[1] = step[1].double()
+        step[6] = step[6].t().contiguous().t()  # column-major gradient of a row-major weight
+    options = dict(weight_decay=5e-2, trust_coefficient=0.02, eps=1e-8, nesterov=True,
+                   trust_clip=True)
+    lrs, momenta = [0.1] * 20, [0.9] * 20
+    paths = {"kernel": 0, "foreach": 0}
+
+    def counting(name: str, fn):
+        def wrapper(*args):
+            paths[name] += len(args[-1])  # bufs: one per tensor
+            return fn(*args)
+        return wrapper
+
+    monkeypatch.setattr(lars_module, "_kernel_step", counting("kernel", lars_module._kernel_step))
+    monkeypatch.setattr(FusedLARS, "_foreach_step",  # the bound classmethod, called unbound
+                        staticmethod(counting("foreach", FusedLARS._foreach_step)))
+    weights, _ = run_fused_lars(params, grads, excluded, lrs, momenta, **options)
+    assert paths == {"kernel": 5 * 20, "foreach": 2 * 20}
+    assert_matches_reference(weights, params, grads, excluded, lrs, momenta, **options)
+
+    monkeypatch.setattr(lars_module, "native_library", lambda: None)  # as after a failed build
+    paths.update(kernel=0, foreach=0)
+    weights, _ = run_fused_lars(params, grads, excluded, lrs, momenta, **options)
+    assert paths == {"kernel": 0, "foreach": 7 * 20}
+    assert_matches_reference(weights, params, grads, excluded, lrs, momenta, **options)
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_fused_lars_compiled_path_takes_empty_tensors(exclude: bool) -> None:
+    """A group of empty tensors has no norm work at all; its update must not wait for any."""
+    empty = torch.nn.Parameter(torch.zeros(0, 3))
+    empty.grad = torch.zeros(0, 3)
+    FusedLARS([{"params": [empty], "lars_exclude": exclude}], lr=0.1, weight_decay=0.1).step()
+    w = torch.nn.Parameter(torch.ones(5))
+    w.grad = torch.ones(5)
+    FusedLARS([{"params": [empty, w], "lars_exclude": exclude}], lr=0.1, momentum=0.0,
+              trust_coefficient=1.0, trust_clip=True).step()
+    torch.testing.assert_close(w.detach(), torch.full((5,), 0.9))  # ratio 1 (clipped) or none
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # foreach path, compiled path
+def test_fused_lars_state_dict_round_trip(dtype: torch.dtype) -> None:
     params, grads = lars_problem(seed=1)
+    params = [p.to(dtype) for p in params]
+    grads = [[g.to(dtype) for g in step] for step in grads]
 
     def make(weights):
         return FusedLARS([{"params": weights[:2]}, {"params": weights[2:], "lars_exclude": True}],
