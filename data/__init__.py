@@ -1,16 +1,50 @@
-"""Input pipelines for ImageNet-layout image folders, chosen by `data.backend`."""
+"""Input pipelines for ImageNet-layout image folders, chosen by `data.backend`, behind the cache of data/cache.py.
+
+Both backends give the trainer the same interface: `num_classes`, `train_size`, `train_loader(image_size,
+per_rank_batch, min_scale)` and `val_loader(image_size, per_rank_batch)` (iterables of (images, labels)
+with `set_epoch` and `len`), `stats()` (counters for the epoch log) and `close()`.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+
+import torch
+
+from data.cache import CacheConfig
 from data.config import DataConfig, DataConfigError
 from data.layout import DatasetNotFoundError, check_dataset
 from data.torchvision_loader import EpochLoader, TorchvisionImageData
 
-__all__ = ["DataConfig", "DataConfigError", "DatasetNotFoundError", "EpochLoader", "build_image_data",
-           "check_dataset"]
+__all__ = ["CacheConfig", "DataConfig", "DataConfigError", "DatasetNotFoundError", "EpochLoader", "build_image_data",
+           "check_dataset", "dali_available", "resolve_backend"]
+
+log = logging.getLogger(__name__)
+
+DALI_HINT = "pip install nvidia-dali-cuda130==2.4.0 (requirements.txt), or set data.backend=torchvision"
+
+
+def dali_available() -> bool:
+    return importlib.util.find_spec("nvidia.dali") is not None
+
+
+def resolve_backend(backend: str) -> str:
+    """`auto` → dali where it is installed, else torchvision; `dali` without DALI is a one-line error."""
+    if backend == "dali" and not dali_available():
+        raise DataConfigError(f"data.backend: dali needs NVIDIA DALI, which is not installed; {DALI_HINT}")
+    if backend == "auto":
+        return "dali" if dali_available() else "torchvision"
+    return backend
 
 
 def build_image_data(cfg: DataConfig, rank: int, world_size: int, seed: int,
-                     pin_memory: bool = False) -> TorchvisionImageData:
-    """The image data source for `cfg.backend` (auto = the best backend installed)."""
-    return TorchvisionImageData(cfg, rank, world_size, seed, pin_memory)
+                     device: torch.device = torch.device("cpu")):
+    """The image data source for `cfg.backend`, delivering batches for `device` (DALI decodes on it if CUDA)."""
+    backend = resolve_backend(cfg.backend)
+    if backend == "dali":
+        from data.dali_loader import DaliImageData  # imports DALI: only when it is used
+        return DaliImageData(cfg, rank, world_size, seed, device)
+    if cfg.backend == "auto" and rank == 0:
+        log.warning("data.backend=auto: DALI is not installed, using torchvision (no cache levels); %s", DALI_HINT)
+    return TorchvisionImageData(cfg, rank, world_size, seed, pin_memory=torch.device(device).type == "cuda")

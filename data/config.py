@@ -1,9 +1,11 @@
-"""The `data` section: where the images are and how they are read and augmented."""
+"""The `data` section: where the images are, which pipeline reads them, how they are augmented and cached."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from data.cache import CacheConfig
 
 
 class DataConfigError(ValueError):
@@ -13,11 +15,13 @@ class DataConfigError(ValueError):
 @dataclass
 class DataConfig:
     root: str = "datasets/digits"
-    """Dataset folder in ImageNet layout: root/train/<class>/*.JPEG and root/val/<class>/*.JPEG."""
-    backend: Literal["auto", "torchvision"] = "auto"
-    """Input pipeline: torchvision ImageFolder + DataLoader (auto picks the best one available)."""
+    """Dataset folder in ImageNet layout: root/train/<class>/*.JPEG and root/val/<class>/*.JPEG (a path or
+    an fsspec URL)."""
+    backend: Literal["auto", "dali", "torchvision"] = "auto"
+    """Input pipeline: dali (GPU decoding where CUDA exists, else DALI's CPU mode), torchvision, or auto =
+    dali where it is installed."""
     workers: int = 2
-    """Decoding worker processes per rank."""
+    """Decoding threads (dali) or worker processes (torchvision) per rank."""
     min_scale: float = 0.35
     """Random-resized-crop lower bound on the crop's area fraction (phases may override it)."""
     hflip: bool = True
@@ -28,6 +32,14 @@ class DataConfig:
     """Per-channel mean subtracted after scaling pixels to [0, 1]."""
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     """Per-channel standard deviation divided out after the mean."""
+    layout: Literal["NCHW", "NHWC"] = "NCHW"
+    """Memory layout of dali batches (always N,C,H,W-shaped); NHWC = channels-last strides, no copy for
+    train.channels_last."""
+    dtype: Literal["auto", "float32", "float16"] = "auto"
+    """Element type of dali batches: auto = float16 when decoding on the GPU (train.amp then must not be
+    off), else float32."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    """The multi-level cache in front of the dali backend (data/cache.py): L1 disk, L2 RAM, L3 low-res."""
 
     def __post_init__(self) -> None:
         if self.workers < 0:
@@ -38,3 +50,6 @@ class DataConfig:
             raise DataConfigError(f"data.val_resize_ratio: must be >= 1, got {self.val_resize_ratio}")
         if any(s <= 0 for s in self.std):
             raise DataConfigError(f"data.std: every value must be > 0, got {self.std}")
+        if self.cache.dir and "://" in self.root and not self.cache.dir.startswith("/"):
+            raise DataConfigError(f"data.cache.dir: {self.cache.dir!r} is relative, i.e. inside data.root, but "
+                                  f"data.root is a URL ({self.root}); give an absolute node-local path")

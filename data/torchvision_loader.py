@@ -3,19 +3,40 @@
 Training batches come from a DistributedSampler (one permutation per epoch, identical on every rank,
 each rank taking its shard; the tail that does not fill a global batch is dropped so that every rank
 runs the same number of steps). Validation is split without padding, so every image counts once.
+It reads data.root directly (no cache levels) and lists the same files as the DALI backend. An image
+PIL cannot decode is replaced by the next one and named in the log (by the worker that met it).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Iterator
+import logging
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import datasets, transforms
 
 from data.config import DataConfig
-from data.layout import check_dataset
+from data.layout import check_dataset, has_image_extension
+
+log = logging.getLogger(__name__)
+
+
+class TolerantImageFolder(datasets.ImageFolder):
+    """ImageFolder whose unreadable images are replaced by the next readable one (batch sizes stay fixed)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root, is_valid_file=has_image_extension, allow_empty=True)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        for k in range(len(self.samples)):
+            j = (index + k) % len(self.samples)
+            try:
+                return super().__getitem__(j)
+            except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, unidentified, broken streams
+                log.warning("data: skipped %s: %s", self.samples[j][0], err)
+        raise ValueError(f"{self.root}: none of the {len(self.samples)} images can be decoded")
 
 
 class EpochLoader:
@@ -43,8 +64,8 @@ class TorchvisionImageData:
     def __init__(self, cfg: DataConfig, rank: int, world_size: int, seed: int, pin_memory: bool = False) -> None:
         self.num_classes = check_dataset(cfg.root)
         self.cfg, self.rank, self.world_size, self.seed, self.pin_memory = cfg, rank, world_size, seed, pin_memory
-        self._train = datasets.ImageFolder(f"{cfg.root}/train")
-        self._val = datasets.ImageFolder(f"{cfg.root}/val")
+        self._train = TolerantImageFolder(f"{cfg.root}/train")
+        self._val = TolerantImageFolder(f"{cfg.root}/val")
 
     @property
     def train_size(self) -> int:
@@ -79,3 +100,10 @@ class TorchvisionImageData:
         loader = DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=self.cfg.workers,
                             pin_memory=self.pin_memory)
         return EpochLoader(loader, None, self.seed)
+
+    def stats(self) -> dict[str, float]:
+        """No cache levels here; skipped images are named in the log by the worker processes."""
+        return {}
+
+    def close(self) -> None:
+        pass

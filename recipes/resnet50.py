@@ -19,7 +19,7 @@ import torch
 import torchvision
 from torch import nn
 
-from data import DataConfig, DatasetNotFoundError, build_image_data
+from data import DataConfig, DataConfigError, DatasetNotFoundError, build_image_data
 from trainer.cli import parse_config
 from trainer.comm import CommConfig, build_communicator
 from trainer.config import require, save_config, to_dict
@@ -75,13 +75,12 @@ def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(Config, argv, prog="python -m recipes.resnet50")
     topo = setup_distributed(cfg.dist)
-    metrics = None
+    metrics = data = None
     try:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         seed_everything(cfg.train.seed)
-        data = build_image_data(cfg.data, topo.rank, topo.world_size, cfg.train.seed,
-                                pin_memory=topo.device.type == "cuda")
+        data = build_image_data(cfg.data, topo.rank, topo.world_size, cfg.train.seed, topo.device)
         model = build_model(cfg.model, data.num_classes).to(topo.device)
         if cfg.train.channels_last:
             model = model.to(memory_format=torch.channels_last)
@@ -100,6 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if metrics is not None:
             metrics.close()
+        if data is not None:
+            data.close()
         teardown_distributed()
 
 
@@ -115,5 +116,5 @@ def print_result(summary: dict, cfg: Config) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except DatasetNotFoundError as e:  # a user mistake: one line, not a traceback from every rank
+    except (DatasetNotFoundError, DataConfigError) as e:  # a user mistake: one line, not a traceback from every rank
         raise SystemExit(f"dataset error: {e}") from None

@@ -263,6 +263,7 @@ class Trainer:
                 bar.set_postfix(epoch=self.epoch, top1=f"{record['eval/top1']:.4f}", top5=f"{record['eval/top5']:.4f}")
             self.elapsed_s = time.perf_counter() - clock
             record.update({"time/epoch_s": time.perf_counter() - epoch_start, "time/elapsed_s": self.elapsed_s})
+            record.update(self.data.stats())  # cache hits/misses/bytes per level, skipped images (this rank)
             if "eval/top1" in record:
                 self.history.append({k: record[k] for k in ("epoch", "eval/top1", "eval/top5", "time/elapsed_s")})
             self.metrics.log("epoch", self.step, record)
