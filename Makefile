@@ -16,7 +16,7 @@ DATA ?= datasets/imagenet
 NPROC ?= 2
 ARGS ?=
 
-.PHONY: setup test horovod quickstart digits resnet50-dawnbench resnet50-1node tensorboard bench
+.PHONY: setup test horovod quickstart quickstart-2x2 digits resnet50-dawnbench resnet50-1node tensorboard bench
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -36,11 +36,27 @@ horovod: setup
 digits: setup
 	$(PY) scripts/prepare_digits.py --out datasets/digits
 
+# The data cache of issue 3: fill L1 (node-local copies) and L3 (low-res arrays) for CONFIG ahead of a run, on
+# every node (make cache CONFIG=configs/quickstart_cpu.yaml DATA=datasets/digits); otherwise epoch 1 fills them.
+CONFIG ?= configs/resnet50_dawnbench.yaml
+.PHONY: cache imagenet-like
+cache: setup
+	$(PY) scripts/prepare_cache.py --config $(CONFIG) data.root=$(DATA) $(ARGS)
+
+# The ImageNet-like folder of scripts/bench/data.py: 3,000 + 500 real-photo JPEGs of 300-500 px.
+imagenet-like: setup
+	$(PY) scripts/make_imagenet_like.py --out datasets/imagenet_like
+
 quickstart: digits
 	$(TORCHRUN) --standalone --nproc_per_node $(NPROC) -m recipes.resnet50 --config configs/quickstart_cpu.yaml $(ARGS)
 	$(PY) scripts/plot_tta.py runs/quickstart --out runs/quickstart/tta.png
 	$(PY) scripts/dawnbench_report.py runs/quickstart --out runs/quickstart/dawnbench --hardware auto
 	@echo "TensorBoard: make tensorboard   (logs in runs/quickstart/tensorboard)"
+
+# The same run as 2 nodes x 2 ranks (4 processes): hitopk's intra-node reduce-scatter/allgather steps too.
+quickstart-2x2: digits
+	$(TORCHRUN) --standalone --nproc_per_node 4 -m recipes.resnet50 --config configs/quickstart_cpu_2x2.yaml $(ARGS)
+	$(PY) scripts/plot_tta.py runs/quickstart_2x2 --out runs/quickstart_2x2/tta.png
 
 define cluster_run
 	$(PY) -m data $(DATA)
@@ -61,3 +77,20 @@ tensorboard: setup
 bench: setup
 	@for b in scripts/bench/*.py; do case $$b in */__init__.py|*/common.py) continue;; esac; \
 	  echo "== $$b"; PYTHONPATH=. $(PY) $$b $(ARGS) || exit 1; done
+
+# Emulated cluster on one machine (root; scripts/netem/): NODES network namespaces joined by RATE-shaped links,
+# one torchrun per node (make netem-up NODES=2 RATE=1gbit; make netem-run NPROC=2 CONFIG=... ARGS=...; make netem-down).
+# The scaling benchmark brings its own cluster up and down; `make plan` prints the cost model's plan (scripts/plan.py).
+NODES ?= 2
+RATE ?= 1gbit
+.PHONY: netem-up netem-down netem-status netem-run plan
+netem-up:
+	scripts/netem/cluster.sh up $(NODES) $(RATE)
+netem-down:
+	scripts/netem/cluster.sh down
+netem-status:
+	scripts/netem/cluster.sh status
+netem-run: setup
+	PY=$(PY) scripts/netem/run.sh --nproc-per-node $(NPROC) -m recipes.resnet50 --config $(CONFIG) $(ARGS)
+plan: setup
+	PYTHONPATH=. $(PY) scripts/plan.py --config $(CONFIG) $(ARGS)

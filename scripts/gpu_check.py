@@ -170,6 +170,171 @@ def check_bench_optim(device: torch.device) -> list[Row]:
              f"{result['sgd_foreach_ms']} ms")]
 
 
+# ---------------------------------------------------------------- input pipeline (issue 3)
+
+
+def _batches_per_s(loader, epochs: int = 2) -> tuple[list, float]:
+    """All batches of the last epoch, and its images/s (the first epoch warms up)."""
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        start = time.perf_counter()
+        batches = [(images.float().cpu(), labels) for images, labels in loader]
+        seconds = time.perf_counter() - start
+    return batches, sum(len(labels) for _, labels in batches) / seconds
+
+
+@check("DALI mixed decode")
+def check_dali(device: torch.device) -> list[Row]:
+    """DALI `mixed` (nvJPEG) decoding vs DALI's CPU decoding on the same files, and the GPU pipeline's images/s.
+
+    With --device cpu: DALI's CPU pipeline vs the torchvision backend (the same deterministic validation
+    transform), as a dry run.
+    """
+    require_cuda(device)
+    if importlib.util.find_spec("nvidia.dali") is None:
+        raise Skip("NVIDIA DALI is not installed in this Python (its wheels are too large to travel with the "
+                   "code); the data pipeline falls back to torchvision here")
+    import tempfile
+    from pathlib import Path
+
+    from data import CacheConfig, DataConfig, build_image_data
+    from scripts.make_imagenet_like import prepare
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = prepare(Path(tmp) / "images", train=512, val=128)
+        cfg = DataConfig(root=str(root), backend="dali", workers=2, dtype="float32",
+                         cache=CacheConfig(ram=False, dir=""))
+        other_cfg = cfg if device.type == "cuda" else DataConfig(root=str(root), backend="torchvision", workers=2)
+        cpu, other = (build_image_data(c, 0, 1, 0, d) for c, d in ((cfg, torch.device("cpu")), (other_cfg, device)))
+        name = "DALI mixed (GPU)" if device.type == "cuda" else "torchvision"
+        val_cpu, val_other = (torch.cat([im.float().cpu() for im, _ in d.val_loader(224, 64)]) for d in (cpu, other))
+        diff = (val_cpu - val_other).abs()
+        # 1 grey level = 0.017 here. nvJPEG's IDCT and chroma upsampling differ from libjpeg-turbo's by a few
+        # levels; PIL and DALI CPU (both libjpeg-turbo, the same resize sizes and crop window) by about one
+        limits = (0.02, 1.0) if device.type == "cuda" else (0.01, 0.1)
+        ok = diff.mean().item() < limits[0] and diff.max().item() < limits[1]
+        rows = [("DALI mixed decode", verdict(ok),
+                 f"{name} vs DALI CPU, 128 JPEGs (300-500 px) resized+center-cropped to 224: mean |diff| "
+                 f"{diff.mean().item():.4f}, max {diff.max().item():.3f} (normalized units; limits {limits})")]
+        rates = {}
+        for label, data in (("DALI CPU", cpu), (name, other)):
+            batches, rates[label] = _batches_per_s(data.train_loader(224, 128))
+            ok = all(im.shape == (128, 3, 224, 224) and torch.isfinite(im).all() for im, _ in batches)
+            rows.append((f"data {label}", verdict(ok), f"train 224 px, batch 128, 512 JPEGs: {rates[label]:.0f} "
+                         f"images/s (epoch 2)"))
+            data.close()
+    return rows
+
+
+# ---------------------------------------------------------------- communicators (issue 5)
+
+
+def _comm_rank(rank: int, world: int, store: str, device_type: str, results) -> None:
+    """One rank of the communicator check: NCCL on its own GPU (gloo on the CPU for --device cpu)."""
+    import datetime
+    import statistics
+
+    import torch.distributed as dist
+    import torchvision
+
+    from trainer.comm.dense import DenseAllreduce
+    from trainer.comm.sparse import SparseAllgather
+    from trainer.dist import Group, Topology
+
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.FileStore(store, world),
+                            rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
+    topo = Topology(rank=rank, world_size=world, local_rank=rank, ranks_per_node=world, device=device)
+    topo.world = Group(None, rank, datetime.timedelta(seconds=120))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def build(kind: str, model: torch.nn.Module, density: float):
+        if kind == "dense":
+            return DenseAllreduce(model, topo, 25.0)
+        # topk: every rank a node (sparse between all); hitopk here: one node, dense inside it
+        intra, inter = (None, topo.world) if kind == "topk" else (topo.world, None)
+        return SparseAllgather(model, topo, 25.0, density, 16384, 0, intra, inter)
+
+    def step(model, comm, grads) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        sum((p * g).sum() for p, g in zip(model.parameters(), grads)).backward()
+        comm.finish()
+        return [p.grad.clone() for p in model.parameters()]
+
+    out = {}
+    gen = torch.Generator(device=device).manual_seed(rank)
+    model = torchvision.models.resnet50().to(device)
+    params = list(model.parameters())
+    integer = [torch.randint(-8, 9, p.shape, generator=gen, device=device).float() for p in params]
+    real = [torch.randn(p.shape, generator=gen, device=device) for p in params]
+    dense_grads = None
+    for kind in ("dense", "topk", "hitopk"):
+        m = torchvision.models.resnet50().to(device)
+        got = step(m, build(kind, m, 1.0), integer)
+        dense_grads = dense_grads or got
+        exact = all(torch.equal(a, b) for a, b in zip(got, dense_grads))
+        m = torchvision.models.resnet50().to(device)
+        comm = build(kind, m, 0.01)
+        averaged = torch.cat([g.reshape(-1) for g in step(m, comm, real)])
+        conserved = None  # checked where residuals exist
+        if kind == "topk":  # W * averaged + sum of residuals == sum of gradients (bucket order = reversed params)
+            residual = torch.cat([comm.residuals[b.index] if b.index in comm.residuals else
+                                  torch.zeros(b.numel, device=device) for b in comm.buckets])
+            incoming = torch.cat([g.reshape(-1) for b in comm.buckets for g in
+                                  (real[[id(q) for q in m.parameters()].index(id(p))] for p in b.params)])
+            sent = torch.cat([p.grad.reshape(-1) for b in comm.buckets for p in b.params]) * world
+            dist.all_reduce(residual)
+            dist.all_reduce(incoming)
+            conserved = torch.allclose(sent + residual, incoming, rtol=1e-4, atol=1e-3)
+        times = []
+        for _ in range(6):
+            sync()
+            start = time.perf_counter()
+            step(m, comm, real)
+            sync()
+            times.append(time.perf_counter() - start)
+        out[kind] = {"exact": exact, "conserved": conserved, "ms": statistics.median(times[1:]) * 1e3,
+                     "finite": bool(torch.isfinite(averaged).all())}
+    if rank == 0:
+        results.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@check("communicators")
+def check_communicators(device: torch.device) -> list[Row]:
+    """dense / topk / hitopk over NCCL on every GPU present (one rank per GPU; 2 gloo ranks with --device cpu):
+    density 1.0 equals dense exactly, density 0.01 conserves gradient mass, time per ResNet-50 step."""
+    require_cuda(device)
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    world = torch.cuda.device_count() if device.type == "cuda" else 2
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_comm_rank, args=(r, world, os.path.join(tmp, "store"), device.type, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(300)
+            if p.is_alive():
+                p.kill()
+        if any(p.exitcode for p in procs):
+            raise RuntimeError(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
+    out = results.get()
+    backend = f"NCCL, {world} GPU(s)" if device.type == "cuda" else f"gloo, {world} CPU ranks"
+    return [(f"comm {kind}", verdict(r["exact"] and r["conserved"] is not False and r["finite"]),
+             f"{backend}: density 1.0 == dense {r['exact']}; density 0.01 mass conserved "
+             f"{'n/a' if r['conserved'] is None else r['conserved']}; "
+             f"ResNet-50 step {r['ms']:.1f} ms") for kind, r in out.items()]
+
+
 # ---------------------------------------------------------------- runner
 
 
