@@ -244,15 +244,7 @@ def test_fused_lars_matches_per_tensor_reference(nesterov: bool, trust_clip: boo
     lrs = [0.5 * (1 + s) / 20 for s in range(20)]  # a warm-up schedule
     momenta = [0.9 + 0.004 * s for s in range(20)]  # cyclic-momentum-like
 
-    weights = [torch.nn.Parameter(p.clone()) for p in params]
-    opt = FusedLARS([{"params": [weights[i] for i in (0, 1, 4)]},
-                     {"params": weights[2:4], "lars_exclude": True}], lr=lrs[0], **options)
-    for step, g in enumerate(grads):
-        for group in opt.param_groups:
-            group["lr"], group["momentum"] = lrs[step], momenta[step]
-        for w, gw in zip(weights, g):
-            w.grad = gw.clone()
-        opt.step()
+    weights, _ = run_fused_lars(params, grads, [g["lars_exclude"] for g in groups], lrs, momenta, **options)
     expected = reference_lars([p.clone() for p in params], grads, groups, lrs, momenta)
     for w, e, p in zip(weights, expected, params):
         torch.testing.assert_close(w.detach(), e, rtol=1e-6, atol=1e-12)

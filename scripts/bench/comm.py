@@ -68,7 +68,8 @@ def _rank(rank: int, store: str, steps: int, density: float, arch: str, results:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
         mean = {k: statistics.mean(s[k] for s in stats) for k in stats[0]} if stats and stats[0] else {}
         out[name] = {"step_ms": slowest.item() * 1e3, **mean}
-        del comm, model
+        if comm is not None:
+            comm.detach()  # its hooks would keep it and this model alive through the next kinds
     if rank == 0:
         results.put(out)
     dist.barrier()

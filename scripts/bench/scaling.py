@@ -49,17 +49,11 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from scripts.bench.comm import KINDS  # noqa: E402 - the same five exchanges as the comm bench
 from scripts.bench.common import bench_parser, emit_result, print_table  # noqa: E402
 
 LAYOUTS = ((2, 2), (4, 1))  # (nodes, ranks per node)
 RATES = ("1gbit", "200mbit")
-KINDS = {  # name -> comm config overrides (None = compute only)
-    "compute only": None,
-    "dense": {"kind": "dense"},
-    "dense fp16": {"kind": "dense", "compression": "fp16"},
-    "topk": {"kind": "topk"},
-    "hitopk": {"kind": "hitopk"},
-}
 BUCKET_MB = 25.0
 DENSE_BELOW = 16384
 NETEM_ENV = {"NETEM_PREFIX": "dawnb", "NETEM_SUBNET": "10.213.1"}  # not the default cluster: ours to tear down
@@ -208,45 +202,6 @@ def measure_primitives(topo, density: float, reps: int) -> dict[str, list[list[f
     return out
 
 
-class HookSets:
-    """Several gradient exchanges on one model, one active at a time.
-
-    Each communicator hooks every parameter when it is built. We take each one's hooks out of the
-    parameter's hook table right after building it and put back only the active exchange's before a step:
-    one model and one set of gradients serve every exchange (Transformer-base x 5 exchanges x 4 ranks would
-    not fit in memory otherwise), and steps of the different exchanges can alternate. Uses the table that
-    `Tensor.register_post_accumulate_grad_hook` fills (torch keeps a reference to it, so it is edited in place).
-    """
-
-    def __init__(self, params: list) -> None:
-        self.params = params
-        self.sets: dict[str, list[dict]] = {}
-
-    def take(self, name: str) -> None:
-        """Move the hooks registered since the last take() into the set `name`."""
-        tables = [p._post_accumulate_grad_hooks for p in self.params]
-        if any(t is None for t in tables):
-            raise RuntimeError("a parameter has no post-accumulate-grad hook table after building an exchange")
-        self.sets[name] = [dict(t) for t in tables]
-        for t in tables:
-            t.clear()
-
-    def activate(self, name: str) -> None:
-        for p, hooks in zip(self.params, self.sets[name]):
-            table = p._post_accumulate_grad_hooks
-            table.clear()
-            table.update(hooks)
-
-    def release(self) -> None:
-        """Drop every hook: the communicators hold the parameters and the hooks hold the communicators, a
-        cycle through tensors that Python's gc does not collect (measured: +600 MB per communicator for
-        Transformer-base)."""
-        for p in self.params:
-            if p._post_accumulate_grad_hooks:
-                p._post_accumulate_grad_hooks.clear()
-        self.sets.clear()
-
-
 def sparse_piece(g, density: float, peers: int, world: int):
     """What trainer/comm/sparse.py does around the collectives of one bucket (or shard) `g`: add the
     residual, MSTopK, pack, clear the sent elements, scatter-add `peers` payloads, average."""
@@ -302,7 +257,6 @@ def measure_model(name: str, topo, density: float, steps: int) -> dict[str, Any]
     torch.manual_seed(topo.rank)
     model, loss_fn = build_model(name)
     params = [p for p in model.parameters() if p.requires_grad]
-    hooks = HookSets(params)
     buckets = make_buckets(params, BUCKET_MB)
     owner = {id(p): b.index for b in buckets for p in b.params}
     left: dict[int, int] = {}
@@ -313,22 +267,34 @@ def measure_model(name: str, topo, density: float, steps: int) -> dict[str, Any]
         if left[owner[id(p)]] == 0:
             marks[owner[id(p)]] = time.perf_counter()
 
-    for p in params:
-        p.register_post_accumulate_grad_hook(probe)
-    hooks.take("compute only")
+    # One model and one set of gradients serve every exchange (Transformer-base x 5 exchanges x 4 ranks would
+    # not fit in memory otherwise): each communicator is detached after building and attached for its steps.
     comms = {}
     for kind, overrides in KINDS.items():
         if overrides is not None:
             comms[kind] = build_communicator(CommConfig(**overrides, density=density, bucket_mb=BUCKET_MB,
                                                         dense_below=DENSE_BELOW), model, topo)
-            hooks.take(kind)
+            comms[kind].detach()
+    probes: list = []
+
+    def use(kind: str) -> None:
+        """Only `kind`'s hooks on the parameters (compute only: the probes that time bucket readiness)."""
+        for c in comms.values():
+            c.detach()
+        for handle in probes:
+            handle.remove()
+        probes.clear()
+        if kind in comms:
+            comms[kind].attach()
+        else:
+            probes.extend(p.register_post_accumulate_grad_hook(probe) for p in params)
     rows: dict[str, list] = {kind: [] for kind in KINDS}
     stats: dict[str, list] = {kind: [] for kind in KINDS}
     ready_at = []
     try:
         for rnd in range(steps + 1):  # round 0 is warm-up (allocations, first-touch, connections)
             for kind in KINDS:
-                hooks.activate(kind)
+                use(kind)
                 comm = comms.get(kind)
                 dist.barrier()
                 model.zero_grad(set_to_none=True)
@@ -346,13 +312,15 @@ def measure_model(name: str, topo, density: float, steps: int) -> dict[str, Any]
                     stats[kind].append(step_stats)
                     if comm is None:
                         ready_at.append([(marks[i] - fwd_end) / (bwd_end - fwd_end) for i in sorted(marks)])
-        hooks.activate("compute only")  # real gradients for the sparse pieces
+        use("compute only")  # real gradients for the sparse pieces
         model.zero_grad(set_to_none=True)
         left.update({b.index: len(b.params) for b in buckets})
         loss_fn().backward()
         sparse_pieces = measure_sparse_on_gradients(buckets, topo, density, reps=max(2, steps))
     finally:
-        hooks.release()
+        use("compute only")  # drops every communicator's hooks, which would otherwise keep it alive
+        for handle in probes:
+            handle.remove()
     result: dict[str, Any] = {"buckets": [b.numel for b in buckets], "params": sum(p.numel() for p in params),
                               "tensors": len(params), "exchanges": {},
                               "bucket_ready": [statistics.median(col) for col in zip(*ready_at)],

@@ -83,8 +83,21 @@ class Communicator:
         self.steps = 0
         """Completed exchanges (checkpointed: dense warm-up counts them)."""
         self.stats = _zero_stats()
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._params = params
+        self._hooks: list = []
+        self.attach()
+
+    def attach(self) -> None:
+        """Hook into the parameters' gradients (done at construction)."""
+        if not self._hooks:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+
+    def detach(self) -> None:
+        """Remove the gradient hooks: backward no longer launches this communicator's buckets, and the
+        hooks no longer keep it (and its buffers and residuals) alive. `attach()` hooks it in again."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     # ------------------------------------------------------------ hooks and ordering
 
