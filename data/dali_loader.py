@@ -128,9 +128,12 @@ class DaliEpochLoader:
         self.spec, self.source, self.device = spec, source, device
         self.pipe = None
         self.needs_rebuild = True
+        self.start_step = 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """The next iteration yields `epoch`'s batches from `start_step` on (a mid-epoch resume)."""
         self.source.set_epoch(epoch)
+        self.start_step = start_step
 
     def __len__(self) -> int:
         return len(self.source)
@@ -141,11 +144,12 @@ class DaliEpochLoader:
         self.pipe = build_pipeline(self.spec, self.source)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self.needs_rebuild:
-            self.rebuild(0)
+        start, self.start_step = self.start_step, 0
+        if self.needs_rebuild or start:
+            self.rebuild(start)  # the source computes any step's batch and crops: skipping costs nothing
         self.needs_rebuild = True
         steps = len(self.source)
-        for step in range(steps):
+        for step in range(start, steps):
             batch = self.run(step)
             if step == steps - 1:
                 self.end_epoch()

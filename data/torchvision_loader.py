@@ -5,14 +5,18 @@ each rank taking its shard; the tail that does not fill a global batch is droppe
 runs the same number of steps). Validation is split without padding, so every image counts once.
 It reads data.root directly (no cache levels) and lists the same files as the DALI backend. An image
 PIL cannot decode is replaced by the next one and named in the log (by the worker that met it).
+Crops and flips are seeded per (seed, epoch, sample), so an epoch can restart at any step (a mid-epoch
+resume) and see the same augmentation as an uninterrupted run, whatever data.workers is.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import datasets, transforms
@@ -39,17 +43,46 @@ class TolerantImageFolder(datasets.ImageFolder):
         raise ValueError(f"{self.root}: none of the {len(self.samples)} images can be decoded")
 
 
-class EpochLoader:
-    """An iterable of (images, labels) batches for one phase; `set_epoch` reshuffles and reseeds workers."""
+class SeededImageFolder(TolerantImageFolder):
+    """Training images whose random crop and flip are drawn from a generator seeded by (seed, epoch, index):
+    the same sample gets the same augmentation whichever worker loads it and wherever the epoch (re)started."""
 
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler | None, seed: int) -> None:
+    def __init__(self, base: TolerantImageFolder, seed: int) -> None:  # noqa: D107 - shares base's listing
+        self.__dict__.update(base.__dict__)
+        self.seed, self.epoch = seed, 0
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        draw = int(np.random.SeedSequence([self.seed, self.epoch, index]).generate_state(1, np.uint64)[0])
+        with torch.random.fork_rng(devices=[]):  # the transforms draw from torch's global generator
+            torch.manual_seed(draw)
+            return super().__getitem__(index)
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start part-way into its epoch, at sample `start` of this rank's shard."""
+
+    start = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return super().__len__() - self.start
+
+
+class EpochLoader:
+    """An iterable of (images, labels) batches for one phase; `set_epoch` reshuffles and reseeds augmentation."""
+
+    def __init__(self, loader: DataLoader, sampler: ResumableSampler | None, seed: int) -> None:
         self.loader, self.sampler, self.seed = loader, sampler, seed
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """The next iteration yields `epoch`'s batches from `start_step` on (a mid-epoch resume)."""
         if self.sampler is not None:
             self.sampler.set_epoch(epoch)
-        if self.loader.generator is not None:  # worker augmentation seeds follow (seed, epoch, rank)
-            self.loader.generator.manual_seed(self.seed + 1_000_003 * epoch)
+            self.sampler.start = start_step * self.loader.batch_size
+        if isinstance(self.loader.dataset, SeededImageFolder):
+            self.loader.dataset.epoch = epoch  # workers are started per epoch and copy it
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return iter(self.loader)
@@ -80,15 +113,15 @@ class TorchvisionImageData:
         aug = [transforms.RandomResizedCrop(image_size, scale=scale, antialias=True)]
         if self.cfg.hflip:
             aug.append(transforms.RandomHorizontalFlip())
-        ds = copy.copy(self._train)
+        ds = SeededImageFolder(self._train, self.seed)
         ds.transform = transforms.Compose(aug + self._normalize())
-        sampler = DistributedSampler(ds, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=self.seed,
-                                     drop_last=True)
-        seed = self.seed + 7919 * self.rank
+        sampler = ResumableSampler(ds, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=self.seed,
+                                   drop_last=True)
+        # Its own generator: without one, each epoch's iterator would draw worker seeds from the global RNG.
         loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=self.cfg.workers, drop_last=True,
-                            pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(seed),
+                            pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(self.seed),
                             persistent_workers=False)
-        return EpochLoader(loader, sampler, seed)
+        return EpochLoader(loader, sampler, self.seed)
 
     def val_loader(self, image_size: int, batch_size: int) -> EpochLoader:
         """This rank's share of the validation set, resized and center-cropped, each image exactly once overall."""

@@ -2,6 +2,8 @@
 
     python -m recipes.resnet50 --config configs/resnet50_dawnbench.yaml [--resume] [section.key=value ...]
     torchrun --nproc_per_node 8 -m recipes.resnet50 --config configs/resnet50_1node.yaml
+    torchrun --nproc_per_node 8 --max-restarts 3 -m recipes.resnet50 ... train.checkpoint_every_steps=200
+        (a failed rank restarts the job, which resumes from the newest valid checkpoint: README "Reliability")
 
 The method: torchvision's ResNet-50 with the last BatchNorm of every residual block initialised to zero,
 label smoothing, no weight decay on BatchNorm and bias, LARS with warm-up and decay, progressive resizing
@@ -20,11 +22,12 @@ import torchvision
 from torch import nn
 
 from data import DataConfig, DataConfigError, DatasetNotFoundError, build_image_data
+from trainer.classification import ClassificationTask, ClassificationTrainConfig
 from trainer.cli import parse_config
 from trainer.comm import CommConfig, build_communicator
 from trainer.config import require, save_config, to_dict
 from trainer.dist import DistConfig, setup_distributed, teardown_distributed
-from trainer.loop import Trainer, TrainConfig, seed_everything
+from trainer.loop import Trainer, seed_everything
 from trainer.metrics import LogConfig, build_metrics
 from trainer.optim import OptimConfig, build_optimizer
 from trainer.schedules import ScheduleConfig, check_phases
@@ -57,7 +60,7 @@ class Config:
     """Gradient communicator."""
     dist: DistConfig = field(default_factory=DistConfig)
     """Process group and topology."""
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: ClassificationTrainConfig = field(default_factory=ClassificationTrainConfig)
     """Epochs, targets, precision, checkpoints."""
     log: LogConfig = field(default_factory=LogConfig)
     """Outputs: TensorBoard, JSONL, DAWNBench files."""
@@ -79,19 +82,20 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        seed_everything(cfg.train.seed)
+        seed_everything(cfg.train.seed, cfg.train.deterministic)
         data = build_image_data(cfg.data, topo.rank, topo.world_size, cfg.train.seed, topo.device)
         model = build_model(cfg.model, data.num_classes).to(topo.device)
         if cfg.train.channels_last:
             model = model.to(memory_format=torch.channels_last)
         optimizer = build_optimizer(model, cfg.optim)
         comm = build_communicator(cfg.comm, model, topo)
-        metrics = build_metrics(cfg.log, topo.is_main, fresh=not cfg.train.resume)
+        metrics = build_metrics(cfg.log, topo.is_main, fresh=not cfg.train.should_resume())
         if topo.is_main:
             save_config(cfg, Path(cfg.log.dir) / "config.yaml")
-        trainer = Trainer(cfg.train, cfg.schedule, cfg.optim, cfg.log, topo, model,
-                          nn.CrossEntropyLoss(label_smoothing=cfg.model.label_smoothing), optimizer, comm, data,
-                          metrics, to_dict(cfg))
+        task = ClassificationTask(model, data, topo, cfg.schedule.phases, cfg.model.label_smoothing,
+                                  cfg.train.channels_last, cfg.train.target_top1, cfg.train.target_top5)
+        trainer = Trainer(cfg.train, cfg.schedule, cfg.optim, cfg.log, topo, model, task, optimizer, comm, metrics,
+                          to_dict(cfg))
         summary = trainer.fit()
         if topo.is_main:
             print_result(summary, cfg)

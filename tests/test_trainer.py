@@ -1,15 +1,22 @@
-"""The trainer for real: gloo ranks, the dense communicator, the ResNet recipe on the digits, checkpoints."""
+"""The trainer for real: gloo ranks, the dense communicator, the ResNet recipe on the digits, checkpoints.
+
+The faults (kill -9 under torchrun, SIGSTOP, NaN, full disk) have their own folder: tests/faults/.
+"""
 
 import json
+import multiprocessing
+import resource
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from data import DatasetNotFoundError
-from recipes.resnet50 import main
-from trainer.checkpoint import Checkpointer, load_verified
+from data import DataConfig, DatasetNotFoundError, build_image_data
+from recipes.resnet50 import Config, main
+from trainer.checkpoint import Checkpointer, CheckpointWriteError, load_verified
+from trainer.config import ConfigError, load_config
 from trainer.comm import CommConfig, build_communicator
 from trainer.dist import DistConfig, setup_distributed
 from tests.conftest import run_ranks
@@ -128,3 +135,56 @@ def test_a_fresh_run_archives_what_an_earlier_run_left(tmp_path):
     resumed.log("step", 2, {"loss/train": 0.5})
     resumed.close()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2  # a resume appends
+
+
+def _write_past_a_file_size_limit(folder: str) -> None:
+    # RLIMIT_FSIZE makes the kernel refuse writes past 1 MB (EFBIG), as a full disk refuses them (ENOSPC)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    ckpt = Checkpointer(folder, keep=2)
+    ckpt.save({"step": 1}, 1)
+    with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint .*ckpt-00000002\.pt .*previous "
+                                                   r"checkpoints in .* are intact"):
+        ckpt.save({"step": 2, "weights": torch.zeros(1 << 19)}, 2)  # 2 MB
+
+
+def test_a_failed_checkpoint_write_leaves_the_previous_one(tmp_path):
+    child = multiprocessing.get_context("spawn").Process(target=_write_past_a_file_size_limit, args=(str(tmp_path),))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-00000001.pt"]  # no temporary file left behind
+    assert load_verified(tmp_path / "ckpt-00000001.pt") == {"step": 1}
+
+
+@pytest.mark.parametrize("backend", ["dali", "torchvision"])
+def test_an_epoch_restarted_mid_way_yields_the_rest_of_the_same_batches(digits_root, backend):
+    """A mid-epoch resume (train.checkpoint_every_steps) skips the batches already trained on and sees the
+    same pixels and labels for the others: order and augmentation are functions of (seed, epoch, sample)."""
+    data = build_image_data(DataConfig(root=str(digits_root), backend=backend, workers=0), 0, 2, seed=3)
+    loader = data.train_loader(16, 8, 0.5)
+    loader.set_epoch(1)
+    full = list(loader)
+    loader.set_epoch(1, start_step=5)
+    rest = list(loader)
+    data.close()
+    assert len(rest) == len(full) - 5 > 0
+    for (images, labels), (images_, labels_) in zip(full[5:], rest):
+        assert torch.equal(images, images_) and torch.equal(labels, labels_)
+
+
+def test_reliability_keys_are_checked_and_read_yaml_words_as_words(monkeypatch):
+    phase = phases(2)
+    cfg = load_config(Config, None, ["train.epochs=2", phase, "train.amp=off", "train.loss_scale=off"])
+    assert cfg.train.amp == "off" and cfg.train.loss_scale == "off"  # YAML 1.1 reads `off` as false
+    with pytest.raises(ConfigError, match=r"train\.max_skipped_steps: must be > 0, got 0"):
+        load_config(Config, None, ["train.epochs=2", phase, "train.max_skipped_steps=0"])
+    with pytest.raises(ConfigError, match=r"train\.checkpoint_every_steps must be >= 0"):
+        load_config(Config, None, ["train.epochs=2", phase, "train.checkpoint_every_steps=-1"])
+    auto = load_config(Config, None, ["train.epochs=2", phase]).train
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert auto.resume == "auto" and not auto.should_resume()  # a fresh launch
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert auto.should_resume()  # torchrun restarted the job after a failure
+    never = load_config(Config, None, ["train.epochs=2", phase, "train.resume=false"]).train
+    assert not never.should_resume()

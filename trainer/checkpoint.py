@@ -2,6 +2,7 @@
 
 A file is `torch.save` bytes followed by a trailer `MAGIC + sha256(payload)`. A torn write (no trailer)
 or flipped bits (digest mismatch) is detected on load, and the newest *valid* checkpoint is used instead.
+A write that fails (a full disk) removes its temporary file and leaves the older checkpoints as they were.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ class CorruptCheckpointError(ValueError):
     """The file is truncated or its checksum does not match."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. the disk is full); the previous checkpoints are untouched."""
+
+
 def save_atomic(state: dict[str, Any], path: Path) -> None:
     """Write `state` to `path` so that readers see either the old file or the complete new one."""
     buf = io.BytesIO()
-    torch.save(state, buf)
+    torch.save(state, buf)  # in memory first: a full disk fails below, never half-way through pickling
     payload = buf.getvalue()
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -36,8 +41,12 @@ def save_atomic(state: dict[str, Any], path: Path) -> None:
             f.write(payload)
             f.write(MAGIC + hashlib.sha256(payload).hexdigest().encode())
             f.flush()
-            os.fsync(f.fileno())
+            os.fsync(f.fileno())  # ENOSPC may only surface here (delayed allocation)
         os.replace(tmp, path)
+    except OSError as e:
+        raise CheckpointWriteError(e.errno, f"could not write checkpoint {path} ({len(payload) / 1e6:.1f} MB): "
+                                            f"{e.strerror or e}; the previous checkpoints in {path.parent} are "
+                                            "intact") from e
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -69,6 +78,8 @@ class Checkpointer:
 
     def save(self, state: dict[str, Any], step: int) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)
+        for stale in self.folder.glob(".ckpt-*.tmp*"):  # left by a writer that was killed mid-write
+            stale.unlink(missing_ok=True)
         path = self.folder / f"ckpt-{step:08d}.pt"
         save_atomic(state, path)
         for old in self.paths()[self.keep:]:

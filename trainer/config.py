@@ -153,6 +153,9 @@ def _coerce(tp: Any, value: Any, dotted: str, origin: dict[str, Any]) -> Any:
                 errors.append(e)
         raise errors[0]
     if origin_tp is Literal:
+        if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans: `amp: off` means "off"
+            value = next((a for a in args if isinstance(a, str) and a in (("on", "yes") if value else ("off", "no"))),
+                         value)
         if value in args:
             return value
         choices = ", ".join(map(str, args))
@@ -249,14 +252,16 @@ def save_config(cfg: Any, path: str | Path) -> None:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Map field name -> the docstring literal written on the line below the field in `cls`'s source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    """Map field name -> the docstring literal written on the line below the field in `cls`'s source
+    (inherited fields included: a section may extend another, e.g. a recipe's `train` section)."""
     docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
 

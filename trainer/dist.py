@@ -11,11 +11,14 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from trainer.config import ConfigError, require
 
@@ -40,17 +43,60 @@ class CommTimeoutError(RuntimeError):
     """A collective did not complete in time: a peer is hung, dead or unreachable."""
 
 
+HEARTBEAT_S = 0.5
+"""Seconds between a rank's heartbeats; a peer whose counter stands still for 3 beats is named as silent."""
+
+
+class Liveness:
+    """Heartbeats in the rendezvous store, to say *which* peer stopped answering when a collective fails.
+
+    gloo's timeout error names no peer ("Operation timed out!"). Every rank bumps a counter in the store from
+    a daemon thread; after a failed collective, the peers whose counters stood still are stopped (SIGSTOP),
+    dead, or stuck holding the GIL. With torchrun the store lives in the launcher, so it outlives any rank.
+    """
+
+    def __init__(self, store: Any, rank: int) -> None:
+        self.store, self.rank = dist.PrefixStore("liveness", store), rank
+        self._stop = threading.Event()
+        threading.Thread(target=self._beat, name=f"heartbeat-rank{rank}", daemon=True).start()
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+            except Exception:  # noqa: BLE001 - the store is gone (shutdown): nobody is left to read our beats
+                return
+            if self._stop.wait(HEARTBEAT_S):
+                return
+
+    def silent(self, ranks: list[int], window_s: float = 3 * HEARTBEAT_S) -> list[int]:
+        """The ranks among `ranks` whose heartbeat did not advance within `window_s` (blocks that long)."""
+        before = [self.store.add(f"beat/{r}", 0) for r in ranks]
+        time.sleep(window_s)
+        return [r for r, b in zip(ranks, before) if self.store.add(f"beat/{r}", 0) == b]
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+_liveness: Liveness | None = None
+
+
 class Group:
     """Collectives over a torch.distributed process group (sums; tensors of equal size on every rank).
 
-    The synchronous ones wait at most `timeout` and then raise CommTimeoutError naming this rank and the
-    operation. The communicators and the train loop use only this interface, so Horovod can stand in
-    (`HorovodGroup`).
+    The synchronous ones wait at most `timeout` and then raise CommTimeoutError naming this rank, the
+    operation and (from the heartbeats) the peers that stopped answering. The communicators and the train
+    loop use only this interface, so Horovod can stand in (`HorovodGroup`).
     """
 
-    def __init__(self, pg: Any, global_rank: int, timeout: datetime.timedelta) -> None:
-        self.pg, self.global_rank, self.timeout = pg, global_rank, timeout
+    liveness: Liveness | None = None
+
+    def __init__(self, pg: Any, global_rank: int, timeout: datetime.timedelta,
+                 liveness: Liveness | None = None) -> None:
+        self.pg, self.global_rank, self.timeout, self.liveness = pg, global_rank, timeout, liveness
         self.size, self.rank = dist.get_world_size(pg), dist.get_rank(pg)
+        self.members = dist.get_process_group_ranks(pg) if pg is not None else list(range(self.size))
         self._reduce_scatter_ok = True
 
     def wait(self, work: Any, what: str) -> None:
@@ -58,9 +104,26 @@ class Group:
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
-            raise CommTimeoutError(
-                f"rank {self.global_rank}: {what} did not complete within {self.timeout.total_seconds():.0f}s "
-                f"(dist.timeout_s); a peer is hung, dead or unreachable: {e}") from e
+            raise self.failure(what, e) from e
+
+    def failure(self, what: str, cause: Exception) -> CommTimeoutError:
+        return CommTimeoutError(
+            f"rank {self.global_rank}: {what} did not complete within {self.timeout.total_seconds():.0f}s "
+            f"(dist.timeout_s); {self.suspects()}: {cause}")
+
+    def suspects(self) -> str:
+        """Which peers of this group stopped answering, from their heartbeats."""
+        peers = [r for r in self.members if r != self.global_rank]
+        if self.liveness is None:
+            return "a peer is hung, dead or unreachable"
+        try:
+            silent = self.liveness.silent(peers)
+        except Exception:  # noqa: BLE001 - the store itself is unreachable: say so rather than mask the error
+            return "a peer is hung, dead or unreachable (the rendezvous store did not answer either)"
+        if silent:
+            return (f"rank {', '.join(map(str, silent))} stopped answering (no heartbeat for "
+                    f"{3 * HEARTBEAT_S:g}s: stopped, dead or stuck)")
+        return f"ranks {peers} are alive: a peer is stuck elsewhere or in a different collective"
 
     def all_reduce_async(self, t: torch.Tensor) -> Any:
         return dist.all_reduce(t, group=self.pg, async_op=True)
@@ -98,13 +161,19 @@ class Group:
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.pg)
+        try:  # no async form: bounded by the group's own timeout (dist.timeout_s, set at creation)
+            dist.broadcast_object_list(box, src=src, group=self.pg)
+        except RuntimeError as e:
+            raise self.failure("broadcast_object", e) from e
         return box[0]
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Every rank's `obj` on `dst` (None elsewhere)."""
         out = [None] * self.size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst, group=self.pg)
+        try:
+            dist.gather_object(obj, out, dst=dst, group=self.pg)
+        except RuntimeError as e:
+            raise self.failure("gather_object", e) from e
         return out
 
 
@@ -170,6 +239,20 @@ def node_layout(world: int, per_node: int) -> tuple[list[list[int]], list[list[i
     return nodes, peers
 
 
+def elastic_attempt_store(world: int, timeout_s: float) -> Any | None:
+    """Under torchrun's shared store, a view of it private to this restart; None elsewhere (env:// then).
+
+    torchrun keeps one TCPStore for all restarts of a job and torch does not separate their keys, so a
+    restarted job can read the dead attempt's gloo/NCCL addresses and hang in init_process_group
+    (measured here with torch 2.14; pytorch/pytorch#135712). The restart count names the attempt.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def setup_distributed(cfg: DistConfig) -> Topology:
     """Join (or reuse) the process group from torchrun's or Slurm's environment and build the node groups.
 
@@ -201,18 +284,23 @@ def setup_distributed(cfg: DistConfig) -> Topology:
         if "MASTER_ADDR" not in os.environ:
             raise ConfigError("distributed run without MASTER_ADDR/MASTER_PORT: launch with torchrun, or set them "
                               "in the Slurm script (see scripts/slurm/)")
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.timeout_s), device_id=device
-                                if device.type == "cuda" else None)
+        dist.init_process_group(backend, store=elastic_attempt_store(world, cfg.timeout_s), rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    topo.world = Group(None, rank, timeout)
+    global _liveness
+    if _liveness is None:
+        # the default store is private API, but the only handle on the rendezvous store torchrun set up
+        _liveness = Liveness(dist.distributed_c10d._get_default_store(), rank)
+    topo.world = Group(None, rank, timeout, _liveness)
     # Every rank must create every subgroup, in the same order.
     if 1 < per_node < world:
         nodes, peers = node_layout(world, per_node)
         # The groups' own timeout matters: gloo's reduce-scatter ignores Work.wait's (measured, torch 2.14).
         intra, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend=backend)
         inter, _ = dist.new_subgroups_by_enumeration(peers, timeout=timeout, backend=backend)
-        topo.intra_node, topo.inter_node = Group(intra, rank, timeout), Group(inter, rank, timeout)
+        topo.intra_node, topo.inter_node = Group(intra, rank, timeout, _liveness), Group(inter, rank, timeout,
+                                                                                         _liveness)
     elif per_node == world:
         topo.intra_node = topo.world
     else:
@@ -221,6 +309,10 @@ def setup_distributed(cfg: DistConfig) -> Topology:
 
 
 def teardown_distributed() -> None:
+    global _liveness
+    if _liveness is not None:
+        _liveness.close()
+        _liveness = None
     if dist.is_initialized():
         dist.destroy_process_group()
     hvd = sys.modules.get("horovod.torch")
@@ -243,3 +335,13 @@ def broadcast_flag(flag: bool, topo: Topology) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=topo.device)
     topo.world.broadcast_(t, src=0)
     return bool(t.item())
+
+
+def broadcast_module(module: nn.Module, topo: Topology, buffers_only: bool = False) -> None:
+    """Rank 0's weights (or only its buffers, e.g. BatchNorm statistics) on every rank."""
+    if not topo.distributed:
+        return
+    tensors = list(module.buffers()) + ([] if buffers_only else list(module.parameters()))
+    with torch.no_grad():
+        for t in tensors:
+            topo.world.broadcast_(t.data, src=0)

@@ -1,0 +1,85 @@
+"""Fault injection for tests/faults: the ResNet recipe, with one fault planted in its model from outside.
+
+    FAULT=kill:1:8 torchrun --nproc-per-node 2 --max-restarts 1 -m tests.faults.inject --config ... key=value
+
+`FAULT=kind:rank:step[:attempt]` strikes on `rank` during training step `step` (1-based: the step-th
+forward pass in train mode) of torchrun attempt `attempt` (TORCHELASTIC_RESTART_COUNT, default 0, so a
+restarted job runs clean):
+
+- `kill`: the process SIGKILLs itself (a crashed node, an OOM kill);
+- `stop`: it SIGSTOPs itself (a hung process: alive, holding its sockets, answering nothing);
+- `nan`: the gradient of the model's first parameter is NaN for that step (a numerical blow-up).
+
+The recipe itself has no test hooks: `install` wraps `recipes.resnet50.build_model`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+import recipes.resnet50 as recipe
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: Literal["kill", "stop", "nan"]
+    rank: int
+    step: int
+    attempt: int = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        kind, rank, step, *attempt = spec.split(":")
+        if kind not in ("kill", "stop", "nan"):
+            raise ValueError(f"FAULT={spec!r}: kind must be kill, stop or nan")
+        return cls(kind, int(rank), int(step), int(attempt[0]) if attempt else 0)  # type: ignore[arg-type]
+
+
+def arm(model: nn.Module, fault: Fault) -> None:
+    """Plant `fault` in `model` if it is meant for this rank and attempt."""
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if rank != fault.rank or attempt != fault.attempt:
+        return
+    steps = 0
+
+    def count_step(module: nn.Module, args: tuple) -> None:
+        nonlocal steps
+        if not module.training:
+            return  # evaluation
+        steps += 1
+        if steps == fault.step and fault.kind in ("kill", "stop"):
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(grad, float("nan")) if steps == fault.step else grad
+
+    model.register_forward_pre_hook(count_step)
+    if fault.kind == "nan":
+        next(model.parameters()).register_hook(poison)
+
+
+def install(fault: Fault) -> None:
+    """Make the recipe's `build_model` return models carrying `fault`."""
+    build = recipe.build_model
+
+    def build_with_fault(cfg: recipe.ModelConfig, num_classes: int) -> nn.Module:
+        model = build(cfg, num_classes)
+        arm(model, fault)
+        return model
+
+    recipe.build_model = build_with_fault
+
+
+if __name__ == "__main__":
+    if os.environ.get("FAULT"):
+        install(Fault.parse(os.environ["FAULT"]))
+    recipe.main(sys.argv[1:])

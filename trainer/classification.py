@@ -1,0 +1,130 @@
+"""Image classification as a `Task` (trainer/task.py): label-smoothed cross-entropy on images from
+data.build_image_data, top-1/top-5 evaluation, and the `train` keys the ResNet recipe adds (targets,
+channels-last).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from trainer.config import require
+from trainer.dist import Topology, all_reduce_sum, broadcast_module
+from trainer.loop import TrainConfig
+from trainer.schedules import Phase
+
+
+@dataclass
+class ClassificationTrainConfig(TrainConfig):
+    target_top1: float = 0.0
+    """Time-to-accuracy target on validation top-1 (fraction, e.g. 0.95); 0 = none."""
+    target_top5: float = 0.0
+    """Time-to-accuracy target on validation top-5 (fraction, e.g. 0.93); 0 = none."""
+    channels_last: bool = True
+    """Use the channels-last memory format for the model and images."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("target_top1", "target_top5"):
+            value = getattr(self, name)
+            require(0 <= value <= 1, f"train.{name}: a fraction in [0, 1] (e.g. 0.93), got {value}")
+
+
+def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    """Number of top-1 and top-5 hits (top-k capped at the number of classes)."""
+    top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+    return int((top[:, 0] == labels).sum()), int((top == labels[:, None]).any(dim=1).sum())
+
+
+class ClassificationTask:
+    """A model and an image data source (`data.build_image_data`); phases set image and global batch size."""
+
+    unit = "images"
+
+    def __init__(self, model: nn.Module, data: Any, topo: Topology, phases: list[Phase], label_smoothing: float = 0.0,
+                 channels_last: bool = False, target_top1: float = 0.0, target_top5: float = 0.0) -> None:
+        for p in phases:
+            require(p.batch_size % topo.world_size == 0,
+                    f"schedule.phases: batch_size {p.batch_size} (global) is not divisible by the world size "
+                    f"{topo.world_size}")
+        self.model, self.data, self.topo = model, data, topo
+        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.targets = {"top1": target_top1, "top5": target_top5}
+        self._loader_phase: Phase | None = None
+        self._loader = None
+
+    # ------------------------------------------------------------ data
+
+    def per_rank_batch(self, phase: Phase) -> int:
+        return phase.batch_size // self.topo.world_size
+
+    def steps_per_epoch(self, phase: Phase) -> int:
+        return self.data.train_size // self.topo.world_size // self.per_rank_batch(phase)
+
+    def loader_for(self, phase: Phase) -> Any:
+        """The phase's training loader, rebuilt only when the phase changes."""
+        if phase is not self._loader_phase:
+            self._loader = self.data.train_loader(phase.image_size, self.per_rank_batch(phase), phase.min_scale)
+            self._loader_phase = phase
+        return self._loader
+
+    def to_device(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        images = images.to(self.topo.device, non_blocking=True).contiguous(memory_format=self.memory_format)
+        return images, labels.to(self.topo.device, non_blocking=True)
+
+    def train_batches(self, phase: Phase, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        loader = self.loader_for(phase)
+        loader.set_epoch(epoch, start_step)  # both backends compute any step's batch and crops directly
+        for images, labels in loader:
+            yield self.to_device(images, labels)
+
+    # ------------------------------------------------------------ model
+
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        images, labels = batch
+        return self.loss_fn(self.model(images), labels), len(labels)
+
+    @torch.no_grad()
+    def evaluate(self, phase: Phase) -> dict[str, float]:
+        """Top-1/top-5 and loss over the whole validation set, each image counted once across ranks."""
+        broadcast_module(self.model, self.topo, buffers_only=True)  # rank 0's BatchNorm statistics everywhere
+        self.model.eval()
+        size = phase.val_image_size or phase.image_size
+        loader = self.data.val_loader(size, max(1, self.per_rank_batch(phase)))
+        hits1 = hits5 = count = loss_sum = 0.0
+        for images, labels in loader:
+            images, labels = self.to_device(images, labels)
+            logits = self.model(images)
+            loss_sum += float(nn.functional.cross_entropy(logits.float(), labels, reduction="sum"))
+            h1, h5 = accuracy_counts(logits, labels)
+            hits1, hits5, count = hits1 + h1, hits5 + h5, count + len(labels)
+        hits1, hits5, count, loss_sum = all_reduce_sum([hits1, hits5, count, loss_sum], self.topo)
+        return {"eval/top1": hits1 / count, "eval/top5": hits5 / count, "eval/loss": loss_sum / count,
+                "eval/images": count}
+
+    def target_reached(self, record: dict[str, float]) -> bool:
+        if not any(self.targets.values()):
+            return False
+        return all(record[f"eval/{name}"] >= target for name, target in self.targets.items())
+
+    # ------------------------------------------------------------ reporting and state
+
+    def describe(self, phase: Phase) -> str:
+        return (f"{phase.image_size:>4} px  global batch {phase.batch_size} ({self.per_rank_batch(phase)}/rank), "
+                f"{self.data.train_size} training images")
+
+    def stats(self) -> dict[str, float]:
+        """The current phase's sizes, and the data source's counters (cache levels, skipped images; this rank)."""
+        phase = {} if self._loader_phase is None else {"phase/image_size": self._loader_phase.image_size,
+                                                       "phase/batch_size": self._loader_phase.batch_size}
+        return {**phase, **self.data.stats()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the data order is a pure function of (seed, epoch): the trainer's position is enough
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
