@@ -16,7 +16,8 @@ DATA ?= datasets/imagenet
 NPROC ?= 2
 ARGS ?=
 
-.PHONY: setup test horovod quickstart quickstart-2x2 digits resnet50-dawnbench resnet50-1node tensorboard bench
+.PHONY: setup test horovod quickstart quickstart-2x2 digits resnet50-dawnbench resnet50-1node tensorboard bench \
+	transformer-quickstart transformer-wmt
 
 setup: $(STAMP)
 $(STAMP): requirements.txt
@@ -70,6 +71,24 @@ resnet50-dawnbench: setup
 
 resnet50-1node: setup
 	$(call cluster_run,configs/resnet50_1node.yaml)
+
+# The Transformer recipe on the embedded default: a generated English -> German corpus (seconds to prepare,
+# once), trained on NPROC CPU processes to >= 60 sacreBLEU on held-out sentences; prints untrained vs trained BLEU.
+transformer-quickstart: setup
+	$(PY) scripts/prepare_synthetic_translation.py --out datasets/synthetic_en_de
+	$(TORCHRUN) --standalone --nproc_per_node $(NPROC) -m recipes.transformer \
+	  --config configs/transformer_quickstart_cpu.yaml $(ARGS)
+	@echo "TensorBoard: make tensorboard   (logs in runs/transformer_quickstart/tensorboard)"
+
+# Transformer-big on WMT'16 En-De (make transformer-wmt NNODES=16 NODE_RANK=<n> MASTER_ADDR=<host> DATA=<dir>).
+# DATA (default datasets/wmt16_en_de) must hold the corpus prepared by `python scripts/prepare_wmt.py --root DATA`;
+# the check names the files it expected and how to prepare them.
+WMT_DATA = $(if $(filter command line environment,$(origin DATA)),$(DATA),datasets/wmt16_en_de)
+transformer-wmt: setup
+	$(PY) scripts/prepare_wmt.py --check --root $(WMT_DATA)
+	$(TORCHRUN) --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(GPUS_PER_NODE) \
+	  --master_addr $(MASTER_ADDR) --master_port $(MASTER_PORT) \
+	  -m recipes.transformer --config configs/transformer_wmt16_en_de.yaml data.root=$(WMT_DATA) $(ARGS)
 
 tensorboard: setup
 	$(VENV)/bin/tensorboard --logdir runs --bind_all

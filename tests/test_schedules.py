@@ -44,3 +44,16 @@ def test_phase_lookup_and_contiguity():
         check_phases(phases, 6)
     with pytest.raises(ConfigError, match="start_epoch 3 must be >= 0 and < end_epoch 3"):
         Phase(3, 3, 96, 64)
+
+
+def test_inverse_sqrt_warmup_then_decay():
+    # fairseq's inverse_sqrt: linear warm-up from warmup_init_lr, then peak * sqrt(warmup / t); with 100 steps per
+    # epoch, 4,000 warm-up updates are 40 epochs and the shape is the same in epochs as in updates.
+    cfg = ScheduleConfig(warmup_epochs=40, warmup_start_factor=1e-4, decay="inverse_sqrt", final_lr=0.5)
+    assert get_lr(0, cfg, 1e-3, 100) == pytest.approx(1e-7)
+    assert get_lr(20, cfg, 1e-3, 100) == pytest.approx(1e-7 + (1e-3 - 1e-7) / 2)
+    assert get_lr(40, cfg, 1e-3, 100) == pytest.approx(1e-3)                     # peak at the end of warm-up
+    assert get_lr(160, cfg, 1e-3, 100) == pytest.approx(0.5e-3)                  # 4x the warm-up: half the peak
+    assert get_lr(360, cfg, 1e-3, 100) == pytest.approx(1e-3 / 3)                # past train.epochs: no clamp
+    with pytest.raises(ConfigError, match="inverse_sqrt needs schedule.warmup_epochs > 0"):
+        ScheduleConfig(decay="inverse_sqrt")

@@ -47,8 +47,9 @@ class ScheduleConfig:
     """Epochs of linear warm-up from warmup_start_factor x peak lr (optim.lr) to the peak."""
     warmup_start_factor: float = 0.0
     """Learning rate at the first step, as a fraction of the peak."""
-    decay: Literal["linear", "cosine", "poly", "step", "constant"] = "cosine"
-    """Shape of the decay from the peak (end of warm-up) to final_lr at the last epoch."""
+    decay: Literal["linear", "cosine", "poly", "step", "constant", "inverse_sqrt"] = "cosine"
+    """Shape of the decay from the peak (end of warm-up) to final_lr at the last epoch; inverse_sqrt =
+    peak x sqrt(warmup_epochs / epoch) (Vaswani et al., fairseq's inverse_sqrt; ignores final_lr)."""
     final_lr: float = 0.0
     """Learning rate reached at the end of training (absolute, not a fraction)."""
     poly_power: float = 2.0
@@ -71,6 +72,8 @@ class ScheduleConfig:
                 f"schedule.warmup_start_factor: must be in [0, 1], got {self.warmup_start_factor}")
         require(self.final_lr >= 0, f"schedule.final_lr: must be >= 0, got {self.final_lr}")
         require(0 <= self.momentum_min < 1, f"schedule.momentum_min: must be in [0, 1), got {self.momentum_min}")
+        require(self.decay != "inverse_sqrt" or self.warmup_epochs > 0,
+                "schedule.decay: inverse_sqrt needs schedule.warmup_epochs > 0 (the decay is sqrt(warmup / epoch))")
         require(list(self.step_milestones) == sorted(self.step_milestones),
                 f"schedule.step_milestones: must be increasing, got {self.step_milestones}")
 
@@ -104,6 +107,8 @@ def get_lr(epoch: float, cfg: ScheduleConfig, peak_lr: float, total_epochs: floa
         return start + (peak_lr - start) * epoch / cfg.warmup_epochs
     if cfg.decay == "step":
         return peak_lr * cfg.step_gamma ** sum(epoch >= m for m in cfg.step_milestones)
+    if cfg.decay == "inverse_sqrt":  # scale-free: warm-up of N updates = N / steps-per-epoch epochs
+        return peak_lr * math.sqrt(cfg.warmup_epochs / epoch)
     if cfg.decay == "constant" or total <= cfg.warmup_epochs:
         return peak_lr
     progress = min(1.0, (epoch - cfg.warmup_epochs) / (total - cfg.warmup_epochs))

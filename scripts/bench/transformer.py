@@ -1,0 +1,140 @@
+"""Transformer training throughput on CPU: this recipe's step against a textbook DDP + Adam loop.
+
+Every contender trains the same model (torch's nn.Transformer with shared embeddings, the sizes of
+configs/transformer_quickstart_cpu.yaml, same initial weights) on the same token batches of the synthetic
+corpus, as 2 gloo processes (2 nodes x 1 rank, one thread each):
+- baseline: DistributedDataParallel, torch.optim.Adam without fused or foreach kernels (one tensor at a
+  time), loss.backward(), step() — the plain loop;
+- recipe dense / recipe hitopk: trainer.loop.Trainer.train_step, i.e. gradients bucketed and exchanged from
+  autograd hooks by trainer/comm (dense allreduce, or the paper's hierarchical top-k at the quickstart's
+  density) and torch's fused Adam (kernels/adam.py).
+tokens/s counts the target tokens of both ranks (the recipe's time/tokens_per_s). Contenders run in
+alternating rounds so that load from other processes falls on all alike; medians of the rounds.
+ratio (JSON) = the quickstart's comm.kind / baseline.
+
+    PYTHONPATH=. python scripts/bench/transformer.py [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)  # run as a script, this file's folder comes first and `data` would be scripts/bench/data.py
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from data.translation import TranslationData  # noqa: E402
+from recipes.transformer import Config  # noqa: E402
+from scripts import prepare_synthetic_translation as synth  # noqa: E402
+from scripts.bench.common import bench_parser, emit_result, parse_args, print_table  # noqa: E402
+from trainer.comm import build_communicator  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.dist import DistConfig, setup_distributed  # noqa: E402
+from trainer.loop import Trainer  # noqa: E402
+from trainer.metrics import LogConfig, MetricsLogger  # noqa: E402
+from trainer.optim import build_optimizer  # noqa: E402
+from trainer.translation import TranslationTask, build_transformer, translation_loss  # noqa: E402
+
+CONFIG = ROOT / "configs" / "transformer_quickstart_cpu.yaml"
+WORLD = 2
+
+
+def build_contenders(cfg: Config, data: TranslationData, topo: Any, log_dir: str) -> dict[str, Callable]:
+    """name -> step(batch) returning this rank's target tokens; each with its own model copy."""
+    def fresh_model() -> torch.nn.Module:
+        torch.manual_seed(cfg.train.seed)
+        return build_transformer(cfg.model, data.vocab_size)
+
+    contenders: dict[str, Callable] = {}
+    model = fresh_model()
+    ddp = DistributedDataParallel(model)
+    adam = torch.optim.Adam(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+                            fused=False, foreach=False)
+
+    def baseline(batch: Any) -> int:
+        loss, n = translation_loss(ddp, batch, cfg.model.label_smoothing)
+        loss.backward()
+        adam.step()
+        adam.zero_grad(set_to_none=True)
+        return n
+
+    contenders["baseline DDP + Adam"] = baseline
+    for kind in ("dense", "hitopk"):
+        cfg.comm.kind = kind
+        model = fresh_model()
+        optimizer = build_optimizer(model, cfg.optim)
+        task = TranslationTask(model, data, topo, cfg.train, cfg.model.label_smoothing)
+        trainer = Trainer(cfg.train, cfg.schedule, cfg.optim, LogConfig(dir=log_dir, tensorboard=False), topo,
+                          model, task, optimizer, build_communicator(cfg.comm, model, topo), MetricsLogger([]), {})
+        contenders[f"recipe {kind}"] = lambda batch, trainer=trainer: trainer.train_step(batch)[1]
+    return contenders
+
+
+def worker(rank: int, corpus: str, out: str, steps: int, rounds: int, threads: int) -> None:
+    store = dist.FileStore(str(Path(out).parent / "store"), WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    torch.set_num_threads(threads)
+    cfg = load_config(Config, CONFIG, [f"data.root={corpus}"])
+    quickstart_kind = cfg.comm.kind
+    topo = setup_distributed(DistConfig(ranks_per_node=1))
+    data = TranslationData(cfg.data, topo.rank, topo.world_size, cfg.train.seed)
+    batches = list(data.train_batches(epoch=0))[:steps]
+    contenders = build_contenders(cfg, data, topo, str(Path(out).parent / f"log{rank}"))
+    for step in contenders.values():  # warm-up: first-call allocations, hook registration, thread start
+        for batch in batches[:2]:
+            step(batch)
+    rates: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, step in contenders.items():
+            dist.barrier()
+            start = time.perf_counter()
+            tokens = sum(step(batch) for batch in batches)
+            total = torch.tensor([float(tokens), time.perf_counter() - start])
+            dist.all_reduce(total)  # both ranks' tokens; the mean of their seconds
+            rates[name].append(float(total[0]) / (float(total[1]) / WORLD))
+    if rank == 0:
+        Path(out).write_text(json.dumps({"rates": {k: statistics.median(v) for k, v in rates.items()},
+                                         "kind": quickstart_kind, "params": sum(
+                                             p.numel() for p in build_transformer(cfg.model, data.vocab_size)
+                                             .parameters()), "tokens_per_rank": cfg.data.max_tokens}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = bench_parser("transformer", __doc__.splitlines()[0])
+    args = parse_args(parser)
+    if args.device != "cpu":
+        parser.error("this benchmark runs CPU ranks over gloo; the GPU path is checked by scripts/gpu_check.sh")
+    steps, rounds = (4, 3) if args.quick else (12, 5)
+    threads = max(1, args.threads // WORLD)
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = synth.prepare(Path(tmp) / "corpus", n_train=3000, n_valid=20, n_test=20, vocab_size=1000)
+        out = Path(tmp) / "result.json"
+        mp.spawn(worker, args=(str(corpus), str(out), steps, rounds, threads), nprocs=WORLD, join=True)
+        result = json.loads(out.read_text())
+    rates, kind = result["rates"], result["kind"]
+    base = rates["baseline DDP + Adam"]
+    print(f"{result['params'] / 1e6:.2f} M parameters, <= {result['tokens_per_rank']} tokens per rank per step, "
+          f"{WORLD} gloo ranks x {threads} thread(s), {rounds} rounds of {steps} steps each")
+    print_table(["contender", "tokens/s", "vs baseline"], [[k, v, v / base] for k, v in rates.items()])
+    emit_result("transformer", "DDP + torch.optim.Adam (not fused, not foreach), same model and batches",
+                rates[f"recipe {kind}"] / base, comm=kind, recipe_tokens_per_s=round(rates[f"recipe {kind}"]),
+                baseline_tokens_per_s=round(base), dense_tokens_per_s=round(rates["recipe dense"]))
+
+
+if __name__ == "__main__":
+    main()
