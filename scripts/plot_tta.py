@@ -2,8 +2,9 @@
 
     python scripts/plot_tta.py runs/quickstart [runs/other ...] --out tta.png [--metric top1] [--target 0.95]
 
-Each run folder needs the `metrics.jsonl` the trainer writes; the target line defaults to the first run's
-configured target (train.target_top1 / target_top5 in its summary.json).
+Each run folder needs the `metrics.jsonl` the trainer writes (scripts/tta_baseline.py writes the same);
+the target line defaults to the first run's configured target (train.target_top1 / target_top5 in its
+summary.json). The legend gives each run's time to the target, or says that it never reached it.
 """
 
 from __future__ import annotations
@@ -39,23 +40,40 @@ def configured_target(run_dir: Path, metric: str) -> float | None:
     return None
 
 
+def first_reach(seconds: list[float], acc: list[float], target: float | None) -> float | None:
+    """Seconds at the first evaluation at or above `target` (None: never, or no target)."""
+    if not target:
+        return None
+    return next((s for s, a in zip(seconds, acc) if a >= target), None)
+
+
 def plot(run_dirs: list[Path], out: Path, metric: str = "top1", target: float | None = None,
          labels: list[str] | None = None) -> Path:
-    """Write the PNG and return its path."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    longest = 1.0
-    for i, run in enumerate(run_dirs):
-        seconds, acc = read_curve(run, metric)
+    """Write the PNG and return its path. Each run's first evaluation at the target is starred and its time is in
+    the legend; a run that never reached the target is drawn in full and says so in the legend."""
+    if labels is not None and len(labels) != len(run_dirs):
+        raise ValueError(f"--labels: {len(labels)} label(s) for {len(run_dirs)} run(s)")
+    curves = [read_curve(run, metric) for run in run_dirs]
+    for run, (seconds, _) in zip(run_dirs, curves):
         if not seconds:
             raise ValueError(f"{run}: no evaluated epochs with eval/{metric} in metrics.jsonl")
-        scale, unit = (60.0, "min") if max(seconds) > 300 else (1.0, "s")
-        longest = max(longest, max(seconds))
-        ax.plot([s / scale for s in seconds], [100 * a for a in acc], marker="o", markersize=3,
-                label=labels[i] if labels else run.name)
     target = target if target is not None else configured_target(run_dirs[0], metric)
+    longest = max(max(seconds) for seconds, _ in curves)
+    scale, unit = (60.0, "min") if longest > 300 else (1.0, "s")  # one unit for every curve
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (run, (seconds, acc)) in enumerate(zip(run_dirs, curves)):
+        label = labels[i] if labels else run.name
+        reach = first_reach(seconds, acc, target)
+        if target:
+            label += f" (target at {reach / scale:.3g} {unit})" if reach is not None else " (target not reached)"
+        (line,) = ax.plot([s / scale for s in seconds], [100 * a for a in acc], marker="o", markersize=3,
+                          label=label)
+        if reach is not None:
+            ax.plot(reach / scale, 100 * acc[seconds.index(reach)], marker="*", markersize=12,
+                    color=line.get_color())
     if target:
-        ax.axhline(100 * target, color="grey", linestyle="--", linewidth=1, label=f"target {100 * target:.1f}%")
-    ax.set_xlabel(f"wall-clock time ({'min' if longest > 300 else 's'})")
+        ax.axhline(100 * target, color="grey", linestyle="--", linewidth=1, label=f"target {100 * target:g}%")
+    ax.set_xlabel(f"wall-clock time ({unit})")
     ax.set_ylabel(f"validation {metric} accuracy (%)")
     ax.set_title("Time to accuracy")
     ax.grid(alpha=0.3)
