@@ -48,11 +48,13 @@ def first_reach(seconds: list[float], acc: list[float], target: float | None) ->
 
 
 def plot(run_dirs: list[Path], out: Path, metric: str = "top1", target: float | None = None,
-         labels: list[str] | None = None) -> Path:
+         labels: list[str] | None = None, colors: list[str] | None = None) -> Path:
     """Write the PNG and return its path. Each run's first evaluation at the target is starred and its time is in
-    the legend; a run that never reached the target is drawn in full and says so in the legend."""
-    if labels is not None and len(labels) != len(run_dirs):
-        raise ValueError(f"--labels: {len(labels)} label(s) for {len(run_dirs)} run(s)")
+    the legend; a run that never reached the target is drawn in full and says so in the legend. `colors` (any
+    matplotlib colour, one per run) lets repeated runs of one contender share a colour."""
+    for name, given in (("labels", labels), ("colors", colors)):
+        if given is not None and len(given) != len(run_dirs):
+            raise ValueError(f"--{name}: {len(given)} given for {len(run_dirs)} run(s)")
     curves = [read_curve(run, metric) for run in run_dirs]
     for run, (seconds, _) in zip(run_dirs, curves):
         if not seconds:
@@ -67,7 +69,7 @@ def plot(run_dirs: list[Path], out: Path, metric: str = "top1", target: float | 
         if target:
             label += f" (target at {reach / scale:.3g} {unit})" if reach is not None else " (target not reached)"
         (line,) = ax.plot([s / scale for s in seconds], [100 * a for a in acc], marker="o", markersize=3,
-                          label=label)
+                          label=label, color=colors[i] if colors else None)
         if reach is not None:
             ax.plot(reach / scale, 100 * acc[seconds.index(reach)], marker="*", markersize=12,
                     color=line.get_color())
@@ -91,9 +93,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("tta.png"))
     parser.add_argument("--metric", choices=["top1", "top5"], default="top1")
     parser.add_argument("--target", type=float, default=None, help="target accuracy as a fraction")
-    parser.add_argument("--labels", nargs="*", help="legend labels, one per run")
+    parser.add_argument("--labels", nargs="+", help="legend labels, one per run")
+    parser.add_argument("--colors", nargs="+", help="line colours, one per run (e.g. tab:blue tab:blue tab:orange)")
     args = parser.parse_args()
-    print(plot(args.runs, args.out, args.metric, args.target, args.labels))
+    print(plot(args.runs, args.out, args.metric, args.target, args.labels, args.colors))
 
 
 if __name__ == "__main__":

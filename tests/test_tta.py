@@ -138,7 +138,7 @@ def test_first_reach():
 
 def test_plot_draws_recorded_runs_of_both_sides(runs, tmp_path):
     png = plot([runs["baseline"], runs["recipe"], runs["missed"]], tmp_path / "tta.png", target=0.98,
-               labels=["baseline", "recipe", "baseline, missed"])
+               labels=["baseline", "recipe", "baseline, missed"], colors=["tab:blue", "tab:orange", "tab:blue"])
     height, width, _ = matplotlib.image.imread(png).shape
     assert (width, height) == (840, 540)  # 7 x 4.5 inches at 120 dpi
 
@@ -150,9 +150,11 @@ def test_plot_cli_on_run_folders(runs, tmp_path):
     assert out.stat().st_size > 0
 
 
-def test_plot_needs_one_label_per_run(runs, tmp_path):
-    with pytest.raises(ValueError, match=r"--labels: 1 label\(s\) for 2 run\(s\)"):
+def test_plot_needs_one_label_and_colour_per_run(runs, tmp_path):
+    with pytest.raises(ValueError, match=r"--labels: 1 given for 2 run\(s\)"):
         plot([runs["baseline"], runs["recipe"]], tmp_path / "x.png", labels=["only one"])
+    with pytest.raises(ValueError, match=r"--colors: 3 given for 2 run\(s\)"):
+        plot([runs["baseline"], runs["recipe"]], tmp_path / "x.png", colors=["red", "red", "blue"])
 
 
 def test_recipe_config_matches_the_bench():
