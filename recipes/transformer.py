@@ -25,10 +25,9 @@ from trainer.config import save_config, to_dict
 from trainer.dist import DistConfig, setup_distributed, teardown_distributed
 from trainer.loop import Trainer, seed_everything
 from trainer.metrics import LogConfig, MetricsLogger, build_metrics
-from trainer.optim import OptimConfig, build_optimizer
+from trainer.optim import OptimConfig, build_optimizer, maybe_clip_gradients
 from trainer.schedules import ScheduleConfig
-from trainer.translation import (TransformerConfig, TranslationTask, TranslationTrainConfig, build_transformer,
-                                 maybe_clip_gradients)
+from trainer.translation import TransformerConfig, TranslationTask, TranslationTrainConfig, build_transformer
 
 
 @dataclass

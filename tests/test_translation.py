@@ -13,8 +13,9 @@ from data.translation import (BOS, EOS, PAD, TranslationData, TranslationDataCon
                               eval_batches, load_manifest, prepare_corpus, token_batches)
 from scripts import prepare_synthetic_translation as synth
 from trainer.translation import (Seq2SeqTransformer, TransformerConfig, corpus_bleu, evaluate_bleu, greedy_decode,
-                                 maybe_clip_gradients, translation_loss)
+                                 translation_loss)
 from trainer.dist import Topology
+from trainer.optim import maybe_clip_gradients
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ Normalization weights and every 1-D tensor (biases) get no weight decay and, for
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
@@ -101,3 +101,16 @@ def set_lr_momentum(optimizer: torch.optim.Optimizer, lr: float, momentum: float
         g["lr"] = lr
         if "momentum" in g:
             g["momentum"] = momentum
+
+
+def maybe_clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+    """Clip before every update, as a step pre-hook: it runs after the communicator averaged the gradients
+    and after the GradScaler unscaled them, and not at all on a step the scaler skips (inf/NaN)."""
+    if max_norm <= 0:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def clip(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        nn.utils.clip_grad_norm_(params, max_norm)
+
+    optimizer.register_step_pre_hook(clip)

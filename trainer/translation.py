@@ -226,19 +226,6 @@ class TranslationTrainConfig(TrainConfig):
                 "train.decode_max_len_a must be >= 0 and train.decode_max_len_b > 0")
 
 
-def maybe_clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
-    """Clip before every update, as a step pre-hook: it runs after the communicator averaged the gradients
-    and after the GradScaler unscaled them, and not at all on a step the scaler skips (inf/NaN)."""
-    if max_norm <= 0:
-        return
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-
-    def clip(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        nn.utils.clip_grad_norm_(params, max_norm)
-
-    optimizer.register_step_pre_hook(clip)
-
-
 class TranslationTask:
     """A Transformer on a prepared parallel corpus: token-based batches, label-smoothed loss, BLEU."""
 
