@@ -251,12 +251,15 @@ class Trainer:
         return loss.detach(), units, comm_stats
 
     def check_finite(self, loss: torch.Tensor) -> None:
-        """Stop before a non-finite update: one fused check, one host sync. The gradients are averaged (equal
-        on every rank; a rank's NaN reaches all of them), so every rank stops at the same step."""
+        """Stop before a non-finite update: one host sync. The gradients are averaged (equal on every rank; a
+        rank's NaN reaches all of them), so every rank stops at the same step. A plain sum finds any inf or NaN
+        (they propagate through it) and is one vectorized pass; the max-abs norm took 30 ms per ResNet-18 step
+        on the CPU, 15x more."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        largest, value = torch.stack([nn.utils.get_total_norm(grads, norm_type=math.inf),
-                                      loss.detach().float().to(self.topo.device)]).tolist()
-        if not math.isfinite(largest):
+        sums = [g.sum(dtype=torch.float32) for g in grads] or [torch.zeros((), device=self.topo.device)]
+        total, value = torch.stack([torch.stack(sums).sum(),
+                                    loss.detach().float().to(self.topo.device)]).tolist()
+        if not math.isfinite(total):
             raise FloatingPointError(
                 f"non-finite gradient at step {self.step + 1} (epoch {self.epoch}, step {self.step_in_epoch + 1} "
                 f"of the epoch; this rank's loss {value}): stopped before the optimizer step, so the weights are "
