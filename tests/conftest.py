@@ -16,6 +16,8 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from trainer.dist import teardown_distributed  # noqa: E402
+
 
 def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, errors: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -28,8 +30,7 @@ def _worker(rank: int, world: int, store_path: str, fn: Callable, args: tuple, e
     except BaseException:  # noqa: BLE001 - reported to the parent with the rank
         errors.put((rank, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        teardown_distributed()  # also joins the heartbeat thread (an abort at exit otherwise)
 
 
 def run_ranks(fn: Callable, world: int, tmp_path: Path, *args: Any, timeout: float = 120.0) -> None:

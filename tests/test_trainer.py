@@ -18,7 +18,7 @@ from recipes.resnet50 import Config, main
 from trainer.checkpoint import Checkpointer, CheckpointWriteError, load_verified
 from trainer.config import ConfigError, load_config
 from trainer.comm import CommConfig, build_communicator
-from trainer.dist import DistConfig, setup_distributed
+from trainer.dist import DistConfig, Liveness, setup_distributed
 from tests.conftest import run_ranks
 
 TINY = ["model.arch=resnet18", "data.workers=0", "train.channels_last=false", "train.threads=1", "log.progress=false",
@@ -188,3 +188,12 @@ def test_reliability_keys_are_checked_and_read_yaml_words_as_words(monkeypatch):
     assert auto.should_resume()  # torchrun restarted the job after a failure
     never = load_config(Config, None, ["train.epochs=2", phase, "train.resume=false"]).train
     assert not never.should_resume()
+
+
+def test_closing_the_heartbeat_waits_until_its_thread_is_out_of_the_store(tmp_path):
+    """A heartbeat left inside a store call at interpreter exit aborts the process (exit -6 after a good run)."""
+    import torch.distributed as dist
+    liveness = Liveness(dist.FileStore(str(tmp_path / "store"), 1), rank=0)
+    assert liveness.silent([0], window_s=0.6) == []  # it beats
+    liveness.close()
+    assert not liveness._thread.is_alive()

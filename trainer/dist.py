@@ -58,7 +58,8 @@ class Liveness:
     def __init__(self, store: Any, rank: int) -> None:
         self.store, self.rank = dist.PrefixStore("liveness", store), rank
         self._stop = threading.Event()
-        threading.Thread(target=self._beat, name=f"heartbeat-rank{rank}", daemon=True).start()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-rank{rank}", daemon=True)
+        self._thread.start()
 
     def _beat(self) -> None:
         while True:
@@ -76,7 +77,14 @@ class Liveness:
         return [r for r, b in zip(ranks, before) if self.store.add(f"beat/{r}", 0) == b]
 
     def close(self) -> None:
+        """Stop the heartbeat and wait for it to leave the store.
+
+        A daemon thread still inside a store call when the interpreter exits is killed with pthread_exit on
+        its way back to the GIL, and the forced unwind through C++ aborts the process ("terminate called
+        without an active exception", exit -6, seen on CI) after a run that had succeeded.
+        """
         self._stop.set()
+        self._thread.join(timeout=10 * HEARTBEAT_S)
 
 
 _liveness: Liveness | None = None

@@ -27,7 +27,7 @@ import torchvision
 
 from scripts.bench.common import bench_parser, emit_result, parse_args, print_table
 from trainer.comm import CommConfig, build_communicator
-from trainer.dist import DistConfig, setup_distributed
+from trainer.dist import DistConfig, setup_distributed, teardown_distributed
 
 WORLD, PER_NODE = 4, 2
 KINDS = {  # name -> comm config overrides (None = compute only)
@@ -73,7 +73,7 @@ def _rank(rank: int, store: str, steps: int, density: float, arch: str, results:
     if rank == 0:
         results.put(out)
     dist.barrier()
-    dist.destroy_process_group()
+    teardown_distributed()
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from scripts import prepare_synthetic_translation as synth  # noqa: E402
 from scripts.bench.common import bench_parser, emit_result, parse_args, print_table  # noqa: E402
 from trainer.comm import build_communicator  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.dist import DistConfig, setup_distributed  # noqa: E402
+from trainer.dist import DistConfig, setup_distributed, teardown_distributed  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.metrics import LogConfig, MetricsLogger  # noqa: E402
 from trainer.optim import build_optimizer  # noqa: E402
@@ -111,7 +111,7 @@ def worker(rank: int, corpus: str, out: str, steps: int, rounds: int, threads: i
                                              p.numel() for p in build_transformer(cfg.model, data.vocab_size)
                                              .parameters()), "tokens_per_rank": cfg.data.max_tokens}))
     dist.barrier()
-    dist.destroy_process_group()
+    teardown_distributed()
 
 
 def main() -> None:
