@@ -280,8 +280,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"{DATA}: ResNet-18, 2 processes x 1 CPU thread, target {100 * args.target:g}% top-1 on the held-out split; "
           f"{seeds} run(s) per side, {'each stopped at the target' if stop else 'full schedules'}; "
           f"{warm_page_cache(root) / 1e6:.0f} MB of JPEGs read once beforehand (page cache warm for both)")
-    precision = recipe_precision()
-    print(f"recipe precision: {precision[0]}")
+    precision, precision_overrides = recipe_precision()
+    print(f"recipe precision: {precision}")
     runs: list[Run] = []
     for seed in range(seeds):
         # Alternate which side goes first, so that a drift in the machine's load falls on both alike.
@@ -293,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 with tempfile.TemporaryDirectory(prefix="tta-cache-") as disk, \
                         tempfile.TemporaryDirectory(prefix="tta-l2-", dir=RAM_DIR) as ram:
                     cmd = recipe_cmd(RECIPE_CONFIG, run_dir, Path(disk), Path(ram), seed, stop,
-                                     [f"train.target_top1={args.target}", *precision[1]])
+                                     [f"train.target_top1={args.target}", *precision_overrides])
                     seconds = launch(cmd, run_dir)
             runs.append(read_run(side, seed, run_dir, seconds))
             r = runs[-1]
@@ -307,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                [f"{r.side} (seed {r.seed})" for r in runs], [SIDE_COLORS[r.side] for r in runs])
     report(runs, args.target)
     result = emit(compare(runs), dataset=str(DATA), model="resnet18", target_top1=args.target, runs_per_side=seeds,
-                  stopped_at_target=stop, recipe_precision=precision[0], plot=str(png),
+                  stopped_at_target=stop, recipe_precision=precision, plot=str(png),
                   run_dirs=[r.run_dir for r in runs])
     (args.out / "result.json").write_text(json.dumps({**result, "runs": [asdict(r) for r in runs]}, indent=2) + "\n")
     return result
