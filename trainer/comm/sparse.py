@@ -42,10 +42,11 @@ def pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return torch.cat([values.float(), indices.to(torch.int32).view(torch.float32)])
 
 
-def scatter_payloads(payloads: torch.Tensor, parts: int, size: int) -> torch.Tensor:
-    """Sum `parts` concatenated payloads of (values, indices) into a dense vector of `size` elements."""
+def scatter_payloads(payloads: torch.Tensor, parts: int, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum `parts` concatenated payloads of (values, indices) into a dense vector of `size` elements (`out`,
+    zeroed first, when given)."""
     rows = payloads.view(parts, 2, -1)
-    out = payloads.new_zeros(size)
+    out = payloads.new_zeros(size) if out is None else out.zero_()
     out.index_add_(0, rows[:, 1].contiguous().view(torch.int32).reshape(-1).long(), rows[:, 0].reshape(-1))
     return out
 
@@ -60,6 +61,8 @@ class SparseAllgather(ExchangeCommunicator):
         self.intra, self.inter, self.iters = intra, inter, selection_iters
         self.residuals: dict[int, torch.Tensor] = {}
         """Error feedback per bucket index: the unsent part of this rank's shard of the node's gradient."""
+        self._dense: dict[int, torch.Tensor] = {}
+        """Per bucket index, the summed shard the allgathered pairs are scattered into (reused every step)."""
 
     @property
     def local_size(self) -> int:
@@ -95,14 +98,19 @@ class SparseAllgather(ExchangeCommunicator):
             return shard
         size = shard.numel()
         residual = self.residuals.get(index)
-        acc = shard.float().add_(residual) if residual is not None else shard.float()
+        acc = shard.float()  # this step's own buffer (the bucket's, or the reduce-scatter's result)
+        if residual is not None:
+            acc.add_(residual)
         k = min(size, max(1, math.ceil(self.density * size)))
         start = time.perf_counter()
         try:
             values, indices = mstopk(acc, k, iters=self.iters)
             payload = pack(values, indices)  # before the fill below: values may be a view of acc
             acc.index_fill_(0, indices, 0.0)  # the unsent remainder becomes the new residual
-            self.residuals[index] = acc
+            if residual is None:
+                self.residuals[index] = acc.clone()
+            else:
+                residual.copy_(acc)  # in place: the buffers are reused next step, and a NaN step keeps it
         except ValueError:
             if bool(torch.isfinite(acc).all()):
                 raise
@@ -111,7 +119,10 @@ class SparseAllgather(ExchangeCommunicator):
         gathered = self.inter.all_gather(payload, f"inter-node sparse allgather of {what}")
         nbytes = (self.inter.size - 1) * payload.numel() * 4
         self.count(sent=nbytes, inter_node=nbytes)
-        return scatter_payloads(gathered, self.inter.size, size)
+        out = self._dense.get(index)
+        if out is None or out.numel() != size or out.dtype != gathered.dtype:
+            out = self._dense[index] = gathered.new_empty(size)
+        return scatter_payloads(gathered, self.inter.size, size, out)
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "residuals": {i: r.cpu() for i, r in self.residuals.items()}}
