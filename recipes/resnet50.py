@@ -22,6 +22,7 @@ import torchvision
 from torch import nn
 
 from data import DataConfig, DataConfigError, DatasetNotFoundError, build_image_data
+from kernels.small_conv import use_gemm_for_small_maps
 from trainer.classification import ClassificationTask, ClassificationTrainConfig
 from trainer.cli import parse_config
 from trainer.comm import CommConfig, build_communicator
@@ -41,6 +42,9 @@ class ModelConfig:
     """Start every residual block as the identity (last BatchNorm gamma = 0)."""
     label_smoothing: float = 0.1
     """Label smoothing of the cross-entropy loss."""
+    small_map_gemm: bool = True
+    """On the CPU, convolutions with at most 4 output positions (the last stage at 32-64 px) run as one GEMM
+    (kernels/small_conv.py: 1.3-10x faster than oneDNN there); same parameters; no effect on CUDA."""
 
     def __post_init__(self) -> None:
         require(0 <= self.label_smoothing < 1, f"model.label_smoothing: must be in [0, 1), got {self.label_smoothing}")
@@ -72,7 +76,10 @@ class Config:
 
 
 def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
-    return getattr(torchvision.models, cfg.arch)(num_classes=num_classes, zero_init_residual=cfg.zero_init_residual)
+    model = getattr(torchvision.models, cfg.arch)(num_classes=num_classes, zero_init_residual=cfg.zero_init_residual)
+    if cfg.small_map_gemm:
+        use_gemm_for_small_maps(model)
+    return model
 
 
 def main(argv: list[str] | None = None) -> dict:
