@@ -1,4 +1,5 @@
-"""MSTopK, fused LARS and Adam: a torch reference, a fast CPU path and a Triton path for CUDA.
+"""MSTopK, fused LARS and Adam: a torch reference, a fast CPU path and a Triton path for CUDA; convolutions on
+tiny maps as GEMMs for the CPU (small_conv).
 
 Imports nothing from the rest of the repository (trainer, data, recipes import this package).
 """
@@ -6,5 +7,6 @@ Imports nothing from the rest of the repository (trainer, data, recipes import t
 from kernels.adam import build_adam
 from kernels.lars import FusedLARS
 from kernels.mstopk import mstopk, mstopk_reference
+from kernels.small_conv import use_gemm_for_small_maps
 
-__all__ = ["FusedLARS", "build_adam", "mstopk", "mstopk_reference"]
+__all__ = ["FusedLARS", "build_adam", "mstopk", "mstopk_reference", "use_gemm_for_small_maps"]

@@ -22,7 +22,7 @@ import torchvision
 from torch import nn
 
 from data import DataConfig, DataConfigError, DatasetNotFoundError, build_image_data
-from kernels.small_conv import use_gemm_for_small_maps
+from kernels import use_gemm_for_small_maps
 from trainer.classification import ClassificationTask, ClassificationTrainConfig
 from trainer.cli import parse_config
 from trainer.comm import CommConfig, build_communicator
