@@ -90,7 +90,9 @@ rounding moved the curves: seed 1 ended at 97.6% without reaching 98%, at 32/48/
 images: the 64 px crops were cut from the 73 px low-res copies, so most were upsampled, blurrier than the
 validation images (resized from the originals). With 146 px copies (data.cache.lowres_max_image_size 128)
 the crops downsample, as the baseline's do from the full JPEGs, at no cost in epoch time: seeds 0 / 1 / 2
-reach 98% at epochs 7 / 8 / 9 (166 / 204 / 243 s), final 99.0 / 97.6 / 98.4% (chosen).
+reach 98% at epochs 7 / 8 / 9 (166 / 204 / 243 s), final 99.0 / 97.6 / 98.4% (chosen). The current config
+(load 2-3): --quick 0.481 (recipe 167.0 s at epoch 7, 98.0%; baseline 347.4 s at epoch 8, 98.0%); full size
+0.662 (recipe 161.8 / 200.3 / 247.6 s at epochs 7 / 8 / 9, baseline 348.7 / 299.0 / 302.7 s at 8 / 7 / 7).
 """
 
 from __future__ import annotations
