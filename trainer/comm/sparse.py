@@ -125,7 +125,8 @@ class SparseAllgather(ExchangeCommunicator):
         return scatter_payloads(gathered, self.inter.size, size, out)
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "residuals": {i: r.cpu() for i, r in self.residuals.items()}}
+        # copies: the live residuals are updated in place by the next steps
+        return {"steps": self.steps, "residuals": {i: r.to("cpu", copy=True) for i, r in self.residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = state["steps"]
