@@ -32,19 +32,17 @@ MAX_POSITIONS = 4
 def takes_gemm(x: Tensor, weight: Tensor, stride: tuple[int, int], padding: tuple[int, int] | str,
                dilation: tuple[int, int], groups: int) -> bool:
     """Whether `small_map_conv2d` computes this convolution as a GEMM (else it calls F.conv2d)."""
-    if x.device.type != "cpu" or x.dim() != 4 or groups != 1 or tuple(dilation) != (1, 1) or isinstance(padding, str):
+    if x.device.type != "cpu" or x.dim() != 4 or groups != 1 or tuple(dilation) != (1, 1):
         return False
-    return _positions(x, weight, stride, padding) <= MAX_POSITIONS
+    if isinstance(padding, str):
+        return False
+    oh, ow = _output_size(x, weight, stride, padding)
+    return oh > 0 and ow > 0 and oh * ow <= MAX_POSITIONS  # an empty output is F.conv2d's to report
 
 
-def _out_size(size: int, kernel: int, stride: int, pad: int) -> int:
-    return (size + 2 * pad - kernel) // stride + 1
-
-
-def _positions(x: Tensor, weight: Tensor, stride: tuple[int, int], padding: tuple[int, int]) -> int:
-    oh = _out_size(x.shape[2], weight.shape[2], stride[0], padding[0])
-    ow = _out_size(x.shape[3], weight.shape[3], stride[1], padding[1])
-    return oh * ow if oh > 0 and ow > 0 else MAX_POSITIONS + 1  # an empty output is F.conv2d's to report
+def _output_size(x: Tensor, weight: Tensor, stride: tuple[int, int], padding: tuple[int, int]) -> tuple[int, int]:
+    return ((x.shape[2] + 2 * padding[0] - weight.shape[2]) // stride[0] + 1,
+            (x.shape[3] + 2 * padding[1] - weight.shape[3]) // stride[1] + 1)
 
 
 def small_map_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: tuple[int, int] = (1, 1),
@@ -55,7 +53,7 @@ def small_map_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stri
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     n, o, (kh, kw) = x.shape[0], weight.shape[0], weight.shape[2:]
     (sh, sw), (ph, pw) = stride, padding
-    oh, ow = _out_size(x.shape[2], kh, sh, ph), _out_size(x.shape[3], kw, sw, pw)
+    oh, ow = _output_size(x, weight, stride, padding)
     # The window of output (0, 0) covers input rows [-ph, kh - ph): rows [0, hh) are inside the input.
     hh, ww = min(x.shape[2], kh - ph), min(x.shape[3], kw - pw)
     if oh * ow == 1 and hh == 1 and ww == 1:

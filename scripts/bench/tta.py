@@ -14,9 +14,9 @@ batch (64) and one input worker per rank (the box has 2 cores), each to 98% top-
       cache, starting empty each run (epoch 1 decodes every JPEG once into the 146 px low-res level; every later
       epoch reads pre-decoded pixels), progressive resizing 32 px (3 epochs) -> 48 (3) -> 64 (4), fused LARS
       (lr 0.2), label smoothing 0.1, zero-init residuals, hitopk (1% of each bucket sent sparse), contiguous
-      (NCHW) tensors, convolutions on 1x1 and 2x2 maps as GEMMs (kernels/small_conv.py), 10 epochs; bf16 autocast where the CPU computes bf16 natively (AVX512-BF16 or AMX:
-      mixed precision, the CPU's counterpart of the cluster recipe's fp16, convolutions 1.4-1.7x faster than
-      fp32), fp32 elsewhere (emulated bf16 made a 32 px epoch 240 s instead of 20 on an AVX2-only EPYC). The
+      (NCHW) tensors, convolutions on 1x1 and 2x2 maps as GEMMs (kernels/small_conv.py), 10 epochs; bf16
+      autocast where the CPU computes bf16 natively (AVX512-BF16 or AMX: mixed precision, the CPU's
+      counterpart of the cluster recipe's fp16, convolutions 1.4-1.7x faster than fp32), fp32 elsewhere (emulated bf16 made a 32 px epoch 240 s instead of 20 on an AVX2-only EPYC). The
       reference script's --amp is CUDA autocast, so its users train in fp32 on a CPU.
 --quick: one run per side, each stopped at the target (DAWNBench style). Full size: 3 runs per side (seeds
 0-2, sides alternating first), full schedules, so the final accuracies are after all 10 epochs. Reported: the

@@ -112,8 +112,8 @@ class Communicator:
     def _launch_next(self) -> None:
         bucket = self.buckets[self._next]
         self._next += 1
-        first = bucket.params[0]
         if bucket.buffer is None:
+            first = bucket.params[0]
             bucket.buffer = torch.empty(bucket.numel, dtype=first.dtype, device=first.device)
         torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in bucket.params],
                   out=bucket.buffer)
