@@ -1,6 +1,7 @@
-"""Input pipelines for ImageNet-layout image folders, chosen by `data.backend`, behind the cache of data/cache.py.
+"""Input pipelines for ImageNet-layout image folders, chosen by `data.backend`, behind the cache of data/cache.py
+(and `synthetic`: generated batches, no folder).
 
-Both backends give the trainer the same interface: `num_classes`, `train_size`, `train_loader(image_size,
+Every backend gives the trainer the same interface: `num_classes`, `train_size`, `train_loader(image_size,
 per_rank_batch, min_scale)` and `val_loader(image_size, per_rank_batch)` (iterables of (images, labels)
 with `set_epoch` and `len`), `stats()` (counters for the epoch log) and `close()`.
 """
@@ -42,6 +43,9 @@ def build_image_data(cfg: DataConfig, rank: int, world_size: int, seed: int,
                      device: torch.device = torch.device("cpu")):
     """The image data source for `cfg.backend`, delivering batches for `device` (DALI decodes on it if CUDA)."""
     backend = resolve_backend(cfg.backend)
+    if backend == "synthetic":
+        from data.synthetic import SyntheticImageData
+        return SyntheticImageData(cfg, rank, world_size, seed, device)
     if backend == "dali":
         from data.dali_loader import DaliImageData  # imports DALI: only when it is used
         return DaliImageData(cfg, rank, world_size, seed, device)

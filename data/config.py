@@ -17,9 +17,10 @@ class DataConfig:
     root: str = "datasets/digits"
     """Dataset folder in ImageNet layout: root/train/<class>/*.JPEG and root/val/<class>/*.JPEG (a path or
     an fsspec URL)."""
-    backend: Literal["auto", "dali", "torchvision"] = "auto"
-    """Input pipeline: dali (GPU decoding where CUDA exists, else DALI's CPU mode), torchvision, or auto =
-    dali where it is installed."""
+    backend: Literal["auto", "dali", "torchvision", "synthetic"] = "auto"
+    """Input pipeline: dali (GPU decoding where CUDA exists, else DALI's CPU mode), torchvision, auto = dali
+    where it is installed, or synthetic = random images with fixed labels made on the device, ImageNet-sized
+    epochs, no files and `root` unused (a throughput check before the dataset is there; data/synthetic.py)."""
     workers: int = 2
     """Decoding threads (dali) or worker processes (torchvision) per rank."""
     min_scale: float = 0.35
