@@ -17,6 +17,7 @@ and updates in a few calls instead of ~10 small kernels each. Two paths, the sam
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Any, Callable, Iterable
 
 import torch
@@ -33,8 +34,9 @@ class _Options(ctypes.Structure):
 
     _fields_ = [("lr", ctypes.c_double), ("momentum", ctypes.c_double),
                 ("weight_decay", ctypes.c_double), ("trust_coefficient", ctypes.c_double),
-                ("eps", ctypes.c_double), ("lars", ctypes.c_int32), ("nesterov", ctypes.c_int32),
-                ("trust_clip", ctypes.c_int32)]
+                ("eps", ctypes.c_double), ("min_trust_ratio", ctypes.c_double),
+                ("max_trust_ratio", ctypes.c_double), ("lars", ctypes.c_int32),
+                ("nesterov", ctypes.c_int32), ("trust_clip", ctypes.c_int32)]
 
 
 def native_library() -> ctypes.CDLL | None:
@@ -43,7 +45,7 @@ def native_library() -> ctypes.CDLL | None:
     if lib is not None and lib.lars_step.argtypes is None:
         ptr = ctypes.c_void_p
         lib.lars_step.argtypes = [ctypes.c_int64, ptr, ptr, ptr, ptr, ctypes.POINTER(_Options),
-                                  ctypes.c_int]
+                                  ptr, ctypes.c_int]
         lib.lars_step.restype = None
     return lib
 
@@ -57,24 +59,37 @@ def _kernel_takes(p: Tensor, g: Tensor, m: Tensor) -> bool:
 
 
 def _kernel_step(lib: ctypes.CDLL, group: dict[str, Any], params: list[Tensor],
-                 grads: list[Tensor], bufs: list[Tensor]) -> None:
-    """One step of `group` over tensors that `_kernel_takes`, in one call into lars_cpu.cpp."""
+                 grads: list[Tensor], bufs: list[Tensor]) -> list[Tensor]:
+    """One step of `group` over tensors that `_kernel_takes`, in one call into lars_cpu.cpp.
+
+    Returns the tensors' trust ratios before the [min, max] clip (float64), none for an excluded
+    group."""
     n = len(params)
 
     def pointers(tensors: list[Tensor]) -> ctypes.Array:
         return (ctypes.c_void_p * n)(*[t.data_ptr() for t in tensors])
 
     # float(): a schedule may store lr or momentum as a 0-d tensor.
+    lo, hi = _trust_range(group)
     options = _Options(float(group["lr"]), float(group["momentum"]), float(group["weight_decay"]),
-                       float(group["trust_coefficient"]), float(group["eps"]),
-                       not group["lars_exclude"], group["nesterov"], group["trust_clip"])
+                       float(group["trust_coefficient"]), float(group["eps"]), lo,
+                       math.inf if hi is None else hi, not group["lars_exclude"],
+                       group["nesterov"], group["trust_clip"])
+    unclipped = None if group["lars_exclude"] else torch.empty(n, dtype=torch.float64)
     lib.lars_step(n, pointers(params), pointers(grads), pointers(bufs),
                   (ctypes.c_int64 * n)(*[p.numel() for p in params]), ctypes.byref(options),
-                  torch.get_num_threads())
+                  None if unclipped is None else unclipped.data_ptr(), torch.get_num_threads())
     # The kernel writes through raw pointers, which autograd cannot see. Bump the version counters
     # as an in-place torch op would, so a graph that saved an old weight still raises on backward
     # instead of computing a wrong gradient.
     torch.autograd.graph.increment_version(params)
+    return [] if unclipped is None else [unclipped]
+
+
+def _trust_range(group: dict[str, Any]) -> tuple[float, float | None]:
+    """The group's (min_trust_ratio, max_trust_ratio) as floats; None = no upper bound."""
+    hi = group["max_trust_ratio"]
+    return float(group["min_trust_ratio"]), None if hi is None else float(hi)
 
 
 def _columns(triples: list[tuple[Tensor, Tensor, Tensor]]
@@ -115,6 +130,7 @@ class FusedLARS(Optimizer):
         ratio = trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + eps)
         ratio = 1                                  if ||w|| == 0 or ||g|| == 0
         ratio = min(ratio / lr, 1)                 if trust_clip (NVIDIA LARC "clip" mode, MLPerf)
+        ratio = clip(ratio, min_trust_ratio, max_trust_ratio)
         d = (g + weight_decay * w) * ratio
         m = momentum * m + d                       (m starts at 0, so the first m is d)
         w = w - lr * (d + momentum * m  if nesterov else  m)
@@ -123,6 +139,11 @@ class FusedLARS(Optimizer):
     no trust ratio and no weight decay, whatever their ``weight_decay``. ``lr`` and ``momentum`` are
     read from each group at every step, so schedules set them through ``param_groups``. Momentum
     buffers live in ``state[p]["momentum_buffer"]`` and travel with ``state_dict``.
+
+    The trust range gives the local rate lr * clip(ratio, min, max), as in LARS "with rectified
+    adaptive lr" of Alibaba's DAWNBench entry, whose warm-up and decay of lr act on every layer;
+    trust_clip instead bounds lr * ratio by lr, which at a large lr binds for nearly every layer and
+    leaves lr without effect. `step_metrics` says which share of the layers each bound clipped.
 
     Args:
         params: parameters or param-group dicts (a group may set any option below and
@@ -134,22 +155,42 @@ class FusedLARS(Optimizer):
         eps: added to the ratio's denominator.
         nesterov: Nesterov momentum.
         trust_clip: clip the ratio to lr, as above.
+        min_trust_ratio: lower bound of the ratio (0: none).
+        max_trust_ratio: upper bound of the ratio (None: none).
     """
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float,
                  momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, eps: float = 1e-8, nesterov: bool = False,
-                 trust_clip: bool = False) -> None:
+                 trust_clip: bool = False, min_trust_ratio: float = 0.0,
+                 max_trust_ratio: float | None = None) -> None:
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay),
                             ("eps", eps)):
             if value < 0:
                 raise ValueError(f"FusedLARS: {name} must be >= 0, got {value}")
         if trust_coefficient <= 0:
             raise ValueError(f"FusedLARS: trust_coefficient must be > 0, got {trust_coefficient}")
+        if min_trust_ratio < 0:
+            raise ValueError(f"FusedLARS: min_trust_ratio must be >= 0, got {min_trust_ratio}")
+        if max_trust_ratio is not None and not (0 < max_trust_ratio
+                                                and min_trust_ratio <= max_trust_ratio):
+            raise ValueError(f"FusedLARS: max_trust_ratio must be None, or > 0 and >= "
+                             f"min_trust_ratio ({min_trust_ratio}), got {max_trust_ratio}")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                         trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
-                        trust_clip=trust_clip, lars_exclude=False)
+                        trust_clip=trust_clip, min_trust_ratio=min_trust_ratio,
+                        max_trust_ratio=max_trust_ratio, lars_exclude=False)
         super().__init__(params, defaults)
+        # The last step's trust ratios before the range clip, with the group's (min, max): read
+        # only by step_metrics, so a step adds no work for the metric and no host sync.
+        self._unclipped: list[tuple[Tensor, float, float | None]] = []
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_unclipped", [])
+        for group in self.param_groups:  # groups saved before the trust range existed
+            group.setdefault("min_trust_ratio", 0.0)
+            group.setdefault("max_trust_ratio", None)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -157,6 +198,7 @@ class FusedLARS(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._unclipped = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -168,19 +210,48 @@ class FusedLARS(Optimizer):
             # it can and the foreach path the rest: one float64 or strided tensor slows only itself.
             takes = [_kernel_takes(*t) for t in triples]
             lib = native_library() if any(takes) else None
+            unclipped = []
             if lib is not None:
-                _kernel_step(lib, group, *_columns([t for t, k in zip(triples, takes) if k]))
+                unclipped += _kernel_step(lib, group,
+                                          *_columns([t for t, k in zip(triples, takes) if k]))
                 triples = [t for t, k in zip(triples, takes) if not k]
             if triples:
-                self._foreach_step(group, *_columns(triples))
+                unclipped += self._foreach_step(group, *_columns(triples))
+            self._unclipped += [(ratios, *_trust_range(group)) for ratios in unclipped]
         return loss
+
+    def step_metrics(self) -> dict[str, Tensor]:
+        """Shares of the LARS layers (tensors outside lars_exclude groups) whose trust ratio the
+        last step clipped to max_trust_ratio and to min_trust_ratio: 0-d float tensors on the
+        parameters' device, computed there without waiting for it (0 before the first step)."""
+        above, below, layers = [], [], 0
+        for ratios, lo, hi in self._unclipped:
+            layers += ratios.numel()
+            below.append((ratios < lo).sum())
+            if hi is not None:
+                above.append((ratios > hi).sum())
+        device = (self._unclipped[0][0].device if self._unclipped
+                  else self.param_groups[0]["params"][0].device)
+
+        def fraction(counts: list[Tensor]) -> Tensor:
+            total = sum((c.to(device) for c in counts), torch.zeros((), device=device))
+            return total / max(layers, 1)
+
+        return {"optim/lars_clipped_max_fraction": fraction(above),
+                "optim/lars_clipped_min_fraction": fraction(below)}
 
     @classmethod
     def _foreach_step(cls, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-                      bufs: list[Tensor]) -> None:
-        update = cls._sgd_momentum if group["lars_exclude"] else cls._lars
+                      bufs: list[Tensor]) -> list[Tensor]:
+        """One step of `group` over its tensors with torch ops; returns the trust ratios before
+        the [min, max] clip (one tensor per cache block), none for an excluded group."""
+        unclipped = []
         for block in _cache_blocks(params):
-            update(group, params[block], grads[block], bufs[block])
+            if group["lars_exclude"]:
+                cls._sgd_momentum(group, params[block], grads[block], bufs[block])
+            else:
+                unclipped.append(cls._lars(group, params[block], grads[block], bufs[block]))
+        return unclipped
 
     def _momentum_buffer(self, p: Tensor) -> Tensor:
         state = self.state[p]
@@ -202,7 +273,7 @@ class FusedLARS(Optimizer):
 
     @staticmethod
     def _lars(group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-              bufs: list[Tensor]) -> None:
+              bufs: list[Tensor]) -> Tensor:
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
         norms = torch.stack(torch._foreach_norm(params + grads))
         w_norm, g_norm = norms[:len(params)], norms[len(params):]
@@ -210,6 +281,9 @@ class FusedLARS(Optimizer):
         ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, torch.ones_like(ratio))
         if group["trust_clip"]:
             ratio = torch.clamp(ratio / lr, max=1.0)
+        unclipped, (lo, hi) = ratio, _trust_range(group)
+        if lo > 0 or hi is not None:
+            ratio = torch.clamp(ratio, min=lo, max=hi)
         # d = ratio * (g + wd * w) is never materialised: it enters m and w as scaled sums
         # (addcmul with 0-d ratios), which saves an allocation and a pass per tensor.
         torch._foreach_mul_(bufs, mu)
@@ -224,3 +298,4 @@ class FusedLARS(Optimizer):
             torch._foreach_add_(params, bufs, alpha=-lr * mu)
         else:
             torch._foreach_add_(params, bufs, alpha=-lr)
+        return unclipped

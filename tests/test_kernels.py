@@ -193,11 +193,13 @@ def test_triton_kernels_match_reference_in_interpreter() -> None:
 # ---------------------------------------------------------------- FusedLARS
 
 
-def reference_lars(params, grads_per_step, groups, lrs, momenta):
-    """A plain per-tensor loop of the formula in FusedLARS's docstring."""
+def reference_lars(params, grads_per_step, groups, lrs, momenta, clipped=None):
+    """A plain per-tensor loop of the formula in FusedLARS's docstring; `clipped`, a dict, gets the
+    last step's share of LARS tensors clipped to the max and to the min."""
     bufs = [torch.zeros_like(p) for p in params]
     for step, grads in enumerate(grads_per_step):
         lr, mu = lrs[step], momenta[step]
+        above = below = layers = 0
         for i, (w, g) in enumerate(zip(params, grads)):
             opt = groups[i]
             if opt["lars_exclude"]:
@@ -210,9 +212,16 @@ def reference_lars(params, grads_per_step, groups, lrs, momenta):
                     ratio = opt["trust_coefficient"] * w_norm / (g_norm + wd * w_norm + opt["eps"])
                 if opt["trust_clip"]:
                     ratio = min(ratio / lr, 1.0)
+                lo, hi = opt.get("min_trust_ratio", 0.0), opt.get("max_trust_ratio")
+                hi = float("inf") if hi is None else hi
+                layers, above, below = layers + 1, above + (ratio > hi), below + (ratio < lo)
+                ratio = min(max(ratio, lo), hi)
                 d = (g + wd * w) * ratio
             bufs[i] = mu * bufs[i] + d
             w -= lr * (d + mu * bufs[i] if opt["nesterov"] else bufs[i])
+        if clipped is not None:
+            clipped.update({"optim/lars_clipped_max_fraction": above / layers,
+                            "optim/lars_clipped_min_fraction": below / layers})
     return params
 
 
@@ -229,23 +238,34 @@ def lars_problem(seed: int = 0):
     return params, grads
 
 
+# No range, and one where, in lars_problem and kernel_lars_problem, the max binds for the tensor
+# with a zero gradient (ratio 1), the min for the one that starts at zero (ratio near 5e-4 once it
+# moved), and neither for the others (near 0.33); with trust_clip, the max binds for most.
+TRUST_RANGES = [dict(min_trust_ratio=0.0, max_trust_ratio=None),
+                dict(min_trust_ratio=0.1, max_trust_ratio=0.8)]
+
+
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("trust_clip", [False, True])
+@pytest.mark.parametrize("trust_range", TRUST_RANGES, ids=["unbounded", "range"])
 @pytest.mark.parametrize("block", [1 << 17, 300])  # one cache block, or several
-def test_fused_lars_matches_per_tensor_reference(nesterov: bool, trust_clip: bool, block: int,
+def test_fused_lars_matches_per_tensor_reference(nesterov: bool, trust_clip: bool,
+                                                 trust_range: dict, block: int,
                                                  monkeypatch) -> None:
     monkeypatch.setattr(lars_module, "CPU_BLOCK_ELEMENTS", block)
     params, grads = lars_problem()
     options = dict(weight_decay=5e-2, trust_coefficient=0.02, eps=1e-8, nesterov=nesterov,
-                   trust_clip=trust_clip)
+                   trust_clip=trust_clip, **trust_range)
     decay = {**options, "lars_exclude": False}
     exclude = {**options, "lars_exclude": True}
     groups = [decay, decay, exclude, exclude, decay]
     lrs = [0.5 * (1 + s) / 20 for s in range(20)]  # a warm-up schedule
     momenta = [0.9 + 0.004 * s for s in range(20)]  # cyclic-momentum-like
 
-    weights, _ = run_fused_lars(params, grads, [g["lars_exclude"] for g in groups], lrs, momenta, **options)
-    expected = reference_lars([p.clone() for p in params], grads, groups, lrs, momenta)
+    weights, opt = run_fused_lars(params, grads, [g["lars_exclude"] for g in groups], lrs, momenta, **options)
+    clipped = {}
+    expected = reference_lars([p.clone() for p in params], grads, groups, lrs, momenta, clipped)
+    assert {k: v.item() for k, v in opt.step_metrics().items()} == pytest.approx(clipped)
     for w, e, p in zip(weights, expected, params):
         torch.testing.assert_close(w.detach(), e, rtol=1e-6, atol=1e-12)
     for i in (0, 2, 4):  # the updates are not negligible, so the comparison means something
@@ -288,13 +308,17 @@ def run_fused_lars(params: list[torch.Tensor], grads: list[list[torch.Tensor]],
 
 def assert_matches_reference(weights: list[torch.nn.Parameter], params: list[torch.Tensor],
                              grads: list[list[torch.Tensor]], excluded: list[bool],
-                             lrs: list[float], momenta: list[float], **options) -> None:
+                             lrs: list[float], momenta: list[float], opt: FusedLARS,
+                             **options) -> None:
     """float32 results within 1e-6 of each tensor's largest value of the float64 reference: 20
-    float32 roundings of w stay near 1e-7 relative, and elements near 0 get the tensor's scale."""
+    float32 roundings of w stay near 1e-7 relative, and elements near 0 get the tensor's scale.
+    The last step's clipped shares are the reference's (no ratio lies near a bound)."""
     groups = [{**options, "lars_exclude": e} for e in excluded]
+    clipped = {}
     expected = reference_lars([p.to(torch.float64, copy=True) for p in params],  # updated in place
                               [[g.double() for g in s] for s in grads],
-                              groups, lrs, momenta)
+                              groups, lrs, momenta, clipped)
+    assert {k: v.item() for k, v in opt.step_metrics().items()} == pytest.approx(clipped)
     for w, e, p in zip(weights, expected, params):
         torch.testing.assert_close(w.detach().double(), e, rtol=1e-6,
                                    atol=1e-6 * e.abs().max().item())
@@ -303,9 +327,11 @@ def assert_matches_reference(weights: list[torch.nn.Parameter], params: list[tor
 
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("trust_clip", [False, True])
+@pytest.mark.parametrize("trust_range", TRUST_RANGES, ids=["unbounded", "range"])
 @pytest.mark.parametrize("threads", [1, 3])  # one thread; shares that do not divide evenly
 def test_fused_lars_compiled_cpu_path_matches_reference(nesterov: bool, trust_clip: bool,
-                                                        threads: int, monkeypatch) -> None:
+                                                        trust_range: dict, threads: int,
+                                                        monkeypatch) -> None:
     assert lars_module.native_library() is not None, "kernels/csrc/lars_cpu.cpp did not build"
 
     def no_foreach(*args, **kwargs):
@@ -321,7 +347,7 @@ def test_fused_lars_compiled_cpu_path_matches_reference(nesterov: bool, trust_cl
     for step in grads:
         step[0] = step[0].to(memory_format=torch.channels_last)
     options = dict(weight_decay=5e-2, trust_coefficient=0.02, eps=1e-8, nesterov=nesterov,
-                   trust_clip=trust_clip)
+                   trust_clip=trust_clip, **trust_range)
     lrs = [0.5 * (1 + s) / 20 for s in range(20)]  # a warm-up schedule
     momenta = [0.9 + 0.004 * s for s in range(20)]  # cyclic-momentum-like
     frozen = torch.nn.Parameter(torch.ones(7))  # grad None: skipped, no state
@@ -330,10 +356,12 @@ def test_fused_lars_compiled_cpu_path_matches_reference(nesterov: bool, trust_cl
     finally:
         torch.set_num_threads(previous_threads)
     assert torch.equal(frozen, torch.ones(7)) and frozen not in opt.state
-    assert_matches_reference(weights, params, grads, excluded, lrs, momenta, **options)
+    assert_matches_reference(weights, params, grads, excluded, lrs, momenta, opt, **options)
 
 
-def test_fused_lars_mixed_and_fallback_tensors_match_reference(monkeypatch) -> None:
+@pytest.mark.parametrize("clip", [dict(trust_clip=True),
+                                  dict(trust_clip=False, **TRUST_RANGES[1])], ids=["clip", "range"])
+def test_fused_lars_mixed_and_fallback_tensors_match_reference(clip: dict, monkeypatch) -> None:
     """Tensors the kernel cannot take (float64, strides unlike the weight's) take the foreach path
     in the same step; without a compiler every tensor does, with the same result."""
     params, grads, excluded = kernel_lars_problem()
@@ -341,8 +369,7 @@ def test_fused_lars_mixed_and_fallback_tensors_match_reference(monkeypatch) -> N
     for step in grads:
         step[1] = step[1].double()
         step[6] = step[6].t().contiguous().t()  # column-major gradient of a row-major weight
-    options = dict(weight_decay=5e-2, trust_coefficient=0.02, eps=1e-8, nesterov=True,
-                   trust_clip=True)
+    options = dict(weight_decay=5e-2, trust_coefficient=0.02, eps=1e-8, nesterov=True, **clip)
     lrs, momenta = [0.1] * 20, [0.9] * 20
     paths = {"kernel": 0, "foreach": 0}
 
@@ -355,15 +382,15 @@ def test_fused_lars_mixed_and_fallback_tensors_match_reference(monkeypatch) -> N
     monkeypatch.setattr(lars_module, "_kernel_step", counting("kernel", lars_module._kernel_step))
     monkeypatch.setattr(FusedLARS, "_foreach_step",  # the bound classmethod, called unbound
                         staticmethod(counting("foreach", FusedLARS._foreach_step)))
-    weights, _ = run_fused_lars(params, grads, excluded, lrs, momenta, **options)
+    weights, opt = run_fused_lars(params, grads, excluded, lrs, momenta, **options)
     assert paths == {"kernel": 5 * 20, "foreach": 2 * 20}
-    assert_matches_reference(weights, params, grads, excluded, lrs, momenta, **options)
+    assert_matches_reference(weights, params, grads, excluded, lrs, momenta, opt, **options)
 
     monkeypatch.setattr(lars_module, "native_library", lambda: None)  # as after a failed build
     paths.update(kernel=0, foreach=0)
-    weights, _ = run_fused_lars(params, grads, excluded, lrs, momenta, **options)
+    weights, opt = run_fused_lars(params, grads, excluded, lrs, momenta, **options)
     assert paths == {"kernel": 0, "foreach": 7 * 20}
-    assert_matches_reference(weights, params, grads, excluded, lrs, momenta, **options)
+    assert_matches_reference(weights, params, grads, excluded, lrs, momenta, opt, **options)
 
 
 @pytest.mark.parametrize("exclude", [False, True])
@@ -377,6 +404,75 @@ def test_fused_lars_compiled_path_takes_empty_tensors(exclude: bool) -> None:
     FusedLARS([{"params": [empty, w], "lars_exclude": exclude}], lr=0.1, momentum=0.0,
               trust_coefficient=1.0, trust_clip=True).step()
     torch.testing.assert_close(w.detach(), torch.full((5,), 0.9))  # ratio 1 (clipped) or none
+
+
+def clip_problem(dtype: torch.dtype) -> tuple[list[torch.nn.Parameter], FusedLARS]:
+    """Three LARS tensors w = (3, 4), ||w|| = 5, whose gradients (0.6, 0.8), (0.15, 0.2) and
+    (0.375, 0.5) give, with eta 0.1 and no decay or eps, trust ratios 0.5, 2 and 0.8; the range
+    [0.6, 1] clips the first to 0.6 (min) and the second to 1 (max). An excluded tensor (1, 1)
+    with gradient (1, 1) takes plain SGD and is no layer of the metrics."""
+    grads = [(0.6, 0.8), (0.15, 0.2), (0.375, 0.5), (1.0, 1.0)]
+    weights = [torch.nn.Parameter(torch.tensor(w, dtype=dtype))
+               for w in [(3.0, 4.0)] * 3 + [(1.0, 1.0)]]
+    for w, g in zip(weights, grads):
+        w.grad = torch.tensor(g, dtype=dtype)
+    opt = FusedLARS([{"params": weights[:3]}, {"params": weights[3:], "lars_exclude": True}],
+                    lr=1.0, momentum=0.0, trust_coefficient=0.1, eps=0.0, min_trust_ratio=0.6,
+                    max_trust_ratio=1.0)
+    return weights, opt
+
+
+@pytest.mark.parametrize("path", ["foreach", "compiled", "foreach float32"])
+def test_fused_lars_trust_range_by_hand(path: str, monkeypatch) -> None:
+    """w - lr * clip(ratio, 0.6, 1) * g, worked out by hand for clip_problem's tensors."""
+    if path == "foreach float32":
+        monkeypatch.setattr(lars_module, "native_library", lambda: None)
+    weights, opt = clip_problem(torch.float64 if path == "foreach" else torch.float32)
+    metrics = opt.step_metrics()  # before any step: nothing clipped
+    assert {k: v.item() for k, v in metrics.items()} == {
+        "optim/lars_clipped_max_fraction": 0.0, "optim/lars_clipped_min_fraction": 0.0}
+    opt.step()
+    expected = [(3 - 0.6 * 0.6, 4 - 0.6 * 0.8),    # 0.5 -> 0.6: the min binds
+                (3 - 1.0 * 0.15, 4 - 1.0 * 0.2),   # 2 -> 1: the max binds
+                (3 - 0.8 * 0.375, 4 - 0.8 * 0.5),  # 0.8: inside the range
+                (0.0, 0.0)]                        # excluded: w - lr * g
+    for w, e in zip(weights, expected):
+        torch.testing.assert_close(w.detach(), torch.tensor(e, dtype=w.dtype))
+    metrics = opt.step_metrics()
+    assert set(metrics) == {"optim/lars_clipped_max_fraction", "optim/lars_clipped_min_fraction"}
+    for value in metrics.values():
+        assert value.dim() == 0 and value.device == weights[0].device
+        assert value.item() == pytest.approx(1 / 3)
+
+
+def test_fused_lars_step_metrics_follow_the_last_step() -> None:
+    """The fractions describe the last step only: a second step inside the range reports none."""
+    weights, opt = clip_problem(torch.float32)
+    opt.step()
+    for group in opt.param_groups:
+        group["min_trust_ratio"], group["max_trust_ratio"] = 0.0, 2.0
+    opt.step()  # same gradients, ratios now 0.44, 1.9 and 0.72: all inside [0, 2]
+    assert {k: v.item() for k, v in opt.step_metrics().items()} == {
+        "optim/lars_clipped_max_fraction": 0.0, "optim/lars_clipped_min_fraction": 0.0}
+    for group in opt.param_groups:  # ratios 0.396, 1.71, 0.648; no upper bound
+        group["min_trust_ratio"], group["max_trust_ratio"] = 1.0, None
+    opt.step()
+    assert {k: v.item() for k, v in opt.step_metrics().items()} == {
+        "optim/lars_clipped_max_fraction": 0.0,
+        "optim/lars_clipped_min_fraction": pytest.approx(2 / 3)}
+
+
+def test_fused_lars_loads_a_state_dict_without_the_trust_range() -> None:
+    """A checkpoint saved before the trust range existed loads with the range unset."""
+    weights, opt = clip_problem(torch.float64)
+    state = opt.state_dict()
+    for group in state["param_groups"]:
+        del group["min_trust_ratio"], group["max_trust_ratio"]
+    opt.load_state_dict(state)
+    opt.step()
+    assert [g["max_trust_ratio"] for g in opt.param_groups] == [None, None]
+    torch.testing.assert_close(weights[1].detach(), torch.tensor([3 - 2 * 0.15, 4 - 2 * 0.2],
+                                                                 dtype=torch.float64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # foreach path, compiled path
@@ -419,6 +515,11 @@ def test_fused_lars_state_dict_round_trip(dtype: torch.dtype) -> None:
     (dict(lr=0.1, momentum=-0.5), "momentum must be >= 0, got -0.5"),
     (dict(lr=0.1, weight_decay=-1e-4), "weight_decay must be >= 0, got -0.0001"),
     (dict(lr=0.1, trust_coefficient=0.0), "trust_coefficient must be > 0, got 0.0"),
+    (dict(lr=0.1, min_trust_ratio=-1e-5), "min_trust_ratio must be >= 0, got -1e-05"),
+    (dict(lr=0.1, max_trust_ratio=0.0), r"max_trust_ratio must be None, or > 0 and >= "
+                                        r"min_trust_ratio \(0.0\), got 0.0"),
+    (dict(lr=0.1, min_trust_ratio=0.5, max_trust_ratio=0.1),
+     r"max_trust_ratio must be None, or > 0 and >= min_trust_ratio \(0.5\), got 0.1"),
 ])
 def test_fused_lars_rejects_bad_options(kwargs, match: str) -> None:
     with pytest.raises(ValueError, match=match):

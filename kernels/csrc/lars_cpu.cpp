@@ -50,6 +50,7 @@ constexpr int64_t kFlush = 2048;
 // Read by kernels/lars.py through ctypes.Structure: keep the two in the same order.
 struct Options {
   double lr, momentum, weight_decay, trust_coefficient, eps;
+  double min_trust_ratio, max_trust_ratio;  // clip the ratio to [min, max], last; max may be inf
   int32_t lars;        // 0: plain SGD momentum on g (a lars_exclude group): no decay, ratio 1
   int32_t nesterov;
   int32_t trust_clip;  // ratio = min(ratio / lr, 1)
@@ -103,14 +104,16 @@ void update(float* __restrict w, const float* __restrict g, float* __restrict m,
   }
 }
 
-// The trust ratio from the squared norms, as FusedLARS's docstring defines it.
-double trust_ratio(double w_sq, double g_sq, const Options& o) {
+// The trust ratio from the squared norms, as FusedLARS's docstring defines it; *unclipped gets
+// its value before the [min, max] clip.
+double trust_ratio(double w_sq, double g_sq, const Options& o, double* unclipped) {
   const double w_norm = std::sqrt(w_sq), g_norm = std::sqrt(g_sq);
   double ratio = 1.0;
   if (w_norm > 0 && g_norm > 0)
     ratio = o.trust_coefficient * w_norm / (g_norm + o.weight_decay * w_norm + o.eps);
   if (o.trust_clip) ratio = std::min(ratio / o.lr, 1.0);
-  return ratio;
+  *unclipped = ratio;
+  return std::min(std::max(ratio, o.min_trust_ratio), o.max_trust_ratio);
 }
 
 // One pass over elements [begin, end) of one tensor.
@@ -171,9 +174,10 @@ void wait_until(Ready ready) {
 extern "C" {
 
 // w, g, m: `count` pointers to float32 arrays of numel[i] elements each (w and m are updated in
-// place); threads: the most threads to use (torch.get_num_threads()).
+// place); unclipped: `count` doubles that get each tensor's trust ratio before the [min, max] clip
+// (with options->lars; may be null); threads: the most threads to use (torch.get_num_threads()).
 void lars_step(int64_t count, float* const* w, const float* const* g, float* const* m,
-               const int64_t* numel, const Options* options, int threads) {
+               const int64_t* numel, const Options* options, double* unclipped, int threads) {
   const Options o = *options;
   const bool lars = o.lars != 0;
   std::vector<Task> tasks;
@@ -186,7 +190,8 @@ void lars_step(int64_t count, float* const* w, const float* const* g, float* con
   // one adds the shares in task order (so no ratio depends on which thread took which task), writes
   // the block's ratios and marks it ready for its update tasks.
   std::vector<double> sums(2 * n_tasks, 0.0);
-  std::vector<double> w_sq(count, 0.0), g_sq(count, 0.0), ratios(count, 1.0);
+  std::vector<double> w_sq(count, 0.0), g_sq(count, 0.0), ratios(count, 1.0),
+      before_clip(count, 1.0);
   std::unique_ptr<std::atomic<int64_t>[]> norms_left(new std::atomic<int64_t>[n_blocks]);
   std::unique_ptr<std::atomic<bool>[]> ready(new std::atomic<bool>[n_blocks]);
   for (size_t b = 0; b < n_blocks; ++b) {
@@ -200,7 +205,7 @@ void lars_step(int64_t count, float* const* w, const float* const* g, float* con
       g_sq[tasks[k].tensor] += sums[2 * k + 1];
     }
     for (int64_t i = block.first_tensor; i < block.last_tensor; ++i)
-      ratios[i] = trust_ratio(w_sq[i], g_sq[i], o);
+      ratios[i] = trust_ratio(w_sq[i], g_sq[i], o, &before_clip[i]);
     ready[b].store(true, std::memory_order_release);
   };
 
@@ -245,6 +250,7 @@ void lars_step(int64_t count, float* const* w, const float* const* g, float* con
       run_phase(blocks[b].norms_end, blocks[b].updates_end, thread, team);
     }
   }
+  if (lars && unclipped != nullptr) std::copy(before_clip.begin(), before_clip.end(), unclipped);
 }
 
 }  // extern "C"
