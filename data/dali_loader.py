@@ -4,12 +4,23 @@ Python decides what each batch holds (sampling.py: the epoch's permutation, this
 flips) and hands DALI the bytes (or L3 pixels) through fn.external_source; DALI decodes, crops, resizes
 and normalizes on its threads (or the GPU). A phase change builds a new pipeline for the new image and
 batch size; the cache, the listings and the screening verdicts live on in the data object.
+
+The Python side of a batch (cache reads, misses filled from the levels below, screening, L3 decoding,
+crop windows) runs on a prefetch thread, up to `prefetch_batches` batches ahead of DALI, so a cache miss
+overlaps the training step instead of stalling it; DALI's callback on the training thread only takes the
+finished batch. A thread, not DALI's parallel external source (worker processes): the readers' verdicts,
+transcoded replacements, skip counts and cache counters must stay in this process, where the recheck
+after a decode error and `stats()` read them, and forked workers would have to start before CUDA is
+initialized, which a pipeline rebuilt per phase or after a decode error cannot do.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-from typing import Iterator
+import threading
+import weakref
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -24,19 +35,85 @@ from data.sampling import augment_rng, random_resized_crops, shorter_side_sizes,
 
 log = logging.getLogger(__name__)
 
+PREFETCH_BATCHES = 4
+"""Batches the prefetch thread prepares ahead of DALI's requests (0: the sequential callback)."""
+
+
+class Prefetcher:
+    """`make(step)` for steps start, start+1, ..., stop-1, computed in order on one background thread and
+    at most `depth` batches ahead of `take`. An exception of `make` is raised again by the `take` of its
+    step, on the consumer's thread; `close` discards what is ready and waits for the batch in progress."""
+
+    def __init__(self, make: Callable[[int], tuple], start: int, stop: int, depth: int) -> None:
+        self.make, self.depth, self.next_step = make, depth, start
+        self.ready: collections.deque[tuple[int, tuple | None, BaseException | None]] = collections.deque()
+        self.cond = threading.Condition()
+        self.closed = self.done = False
+        self.thread = threading.Thread(target=self.work, args=(start, stop), name="dali-source-prefetch",
+                                       daemon=True)
+        self.thread.start()
+
+    def work(self, start: int, stop: int) -> None:
+        try:
+            for step in range(start, stop):
+                try:
+                    item = (step, self.make(step), None)
+                except BaseException as err:  # noqa: BLE001 - handed to the consumer, which raises it
+                    item = (step, None, err)
+                with self.cond:
+                    while len(self.ready) >= self.depth and not self.closed:
+                        self.cond.wait()
+                    if self.closed:
+                        return
+                    self.ready.append(item)
+                    self.cond.notify_all()
+                if item[2] is not None:
+                    return
+        finally:
+            with self.cond:
+                self.done = True
+                self.cond.notify_all()
+
+    def take(self, step: int) -> tuple:
+        """The outputs of `step`, which must be the next one (DALI asks for its iterations in order)."""
+        if step != self.next_step:
+            raise RuntimeError(f"prefetch: asked for step {step}, next prepared is {self.next_step}")
+        with self.cond:
+            while not self.ready and not self.done:
+                self.cond.wait()
+            if not self.ready:
+                raise RuntimeError(f"prefetch: the thread ended before step {step}")
+            got, outputs, err = self.ready.popleft()
+            self.cond.notify_all()
+        self.next_step = got + 1
+        if err is not None:
+            raise err
+        return outputs
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.ready.clear()
+            self.cond.notify_all()
+        self.thread.join()
+
 
 class BatchSource:
     """A fn.external_source callback over precomputed batches of sample indices (`self.batches`).
 
+    `make(step)` computes a batch's outputs; with `prefetch` > 0 a Prefetcher computes them ahead, started
+    at the step DALI first asks for and restarted wherever it asks out of order (a rebuilt pipeline).
     `served[step]` records which samples went into a batch (after bad files were replaced), so a batch
-    DALI failed on can be rechecked; `first_step` lets a pipeline rebuilt mid-epoch continue there.
+    DALI failed on can be rechecked; `first_step` lets a pipeline rebuilt mid-epoch continue there. Call
+    `stop_prefetch` before changing the batches, the first step or the reader's verdicts.
     """
 
-    def __init__(self, reader: SampleReader, fetch: str) -> None:
-        self.reader, self.fetch = reader, fetch
+    def __init__(self, reader: SampleReader, fetch: str, prefetch: int = PREFETCH_BATCHES) -> None:
+        self.reader, self.fetch, self.prefetch = reader, fetch, prefetch
         self.batches: list[np.ndarray] | np.ndarray = []
         self.served: dict[int, list[int]] = {}
         self.first_step = 0
+        self.prefetcher: Prefetcher | None = None
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -47,6 +124,27 @@ class BatchSource:
         if step >= len(self.batches):
             raise StopIteration
         return step
+
+    def __call__(self, info) -> tuple:
+        step = self.step_of(info)
+        if self.prefetch <= 0:
+            return self.make(step)
+        if self.prefetcher is None or self.prefetcher.next_step != step:
+            self.stop_prefetch()
+            self.prefetcher = Prefetcher(self.make, step, len(self.batches), self.prefetch)
+        try:
+            return self.prefetcher.take(step)
+        except BaseException:
+            self.stop_prefetch()  # the thread ended with this error: a later call starts a new one
+            raise
+
+    def stop_prefetch(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+
+    def make(self, step: int) -> tuple:
+        raise NotImplementedError
 
     def pixel_sizes(self, step: int, data: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """(heights, widths) of a batch: L3 arrays carry theirs, the screening measured the encoded files."""
@@ -59,19 +157,19 @@ class TrainSource(BatchSource):
     """Batch `step` of this rank's shard of the epoch's permutation, with crop windows and flips."""
 
     def __init__(self, reader: SampleReader, fetch: str, world: int, rank: int, batch: int, seed: int,
-                 min_scale: float, hflip: bool) -> None:
-        super().__init__(reader, fetch)
+                 min_scale: float, hflip: bool, prefetch: int = PREFETCH_BATCHES) -> None:
+        super().__init__(reader, fetch, prefetch)
         self.world, self.rank, self.batch, self.seed = world, rank, batch, seed
         self.scale, self.hflip = (min_scale, 1.0), hflip
         self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:
+        self.stop_prefetch()
         self.epoch = epoch
         self.batches = train_batches(len(self.reader.split), self.world, self.rank, self.batch, self.seed, epoch)
         self.served = {}
 
-    def __call__(self, info) -> tuple:
-        step = self.step_of(info)
+    def make(self, step: int) -> tuple:
         picked = [self.reader.first_good(int(i), self.fetch) for i in self.batches[step]]
         self.served[step] = [j for j, _ in picked]
         data = [d for _, d in picked]
@@ -88,16 +186,15 @@ class ValSource(BatchSource):
     torchvision's Resize + CenterCrop would use on each."""
 
     def __init__(self, reader: SampleReader, fetch: str, world: int, rank: int, batch: int, short_side: int,
-                 crop: int) -> None:
-        super().__init__(reader, fetch)
+                 crop: int, prefetch: int = PREFETCH_BATCHES) -> None:
+        super().__init__(reader, fetch, prefetch)
         self.short_side, self.crop = short_side, crop
         self.batches = val_batches(len(reader.split), world, rank, batch)
 
     def set_epoch(self, epoch: int) -> None:
-        pass
+        self.stop_prefetch()
 
-    def __call__(self, info) -> tuple:
-        step = self.step_of(info)
+    def make(self, step: int) -> tuple:
         read = getattr(self.reader, self.fetch)
         picked = [(int(i), read(int(i))) for i in self.batches[step]]
         picked = [(i, d) for i, d in picked if d is not None] or [self.reader.first_good(int(self.batches[step][0]),
@@ -140,6 +237,7 @@ class DaliEpochLoader:
 
     def rebuild(self, first_step: int) -> None:
         self.pipe = None  # free the old pipeline's buffers first
+        self.source.stop_prefetch()
         self.source.first_step = first_step
         self.pipe = build_pipeline(self.spec, self.source)
 
@@ -149,11 +247,14 @@ class DaliEpochLoader:
             self.rebuild(start)  # the source computes any step's batch and crops: skipping costs nothing
         self.needs_rebuild = True
         steps = len(self.source)
-        for step in range(start, steps):
-            batch = self.run(step)
-            if step == steps - 1:
-                self.end_epoch()
-            yield batch
+        try:
+            for step in range(start, steps):
+                batch = self.run(step)
+                if step == steps - 1:
+                    self.end_epoch()
+                yield batch
+        finally:  # also when the consumer stops early (train.max_steps_per_epoch): no batch is prepared for nobody
+            self.source.stop_prefetch()
 
     def run(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         try:
@@ -164,6 +265,7 @@ class DaliEpochLoader:
             reason = next((line for line in lines if "fail" in line.lower()), lines[-1])
             log.warning("data: DALI failed on batch %d (%s); rechecking its %d files", step, reason[:200],
                         len(suspects))
+            self.source.stop_prefetch()  # the recheck changes verdicts the prefetch thread reads
             if self.source.fetch == "encoded":
                 self.source.reader.recheck(suspects, dali_decodes)
             self.rebuild(step)
@@ -194,12 +296,18 @@ class DaliEpochLoader:
 
 
 class DaliImageData:
-    """ImageNet-layout folders through the cache and DALI; one instance per run, pipelines rebuilt per phase."""
+    """ImageNet-layout folders through the cache and DALI; one instance per run, pipelines rebuilt per phase.
+
+    `prefetch_batches`: batches each loader's prefetch thread prepares ahead (0: the Python side of every
+    batch runs inside DALI's callback, on the training thread).
+    """
 
     def __init__(self, cfg: DataConfig, rank: int, world_size: int, seed: int,
-                 device: torch.device = torch.device("cpu")) -> None:
+                 device: torch.device = torch.device("cpu"), prefetch_batches: int = PREFETCH_BATCHES) -> None:
         self.num_classes = check_dataset(cfg.root)
         self.cfg, self.rank, self.world_size, self.seed = cfg, rank, world_size, seed
+        self.prefetch_batches = prefetch_batches
+        self._sources: weakref.WeakSet[BatchSource] = weakref.WeakSet()  # their threads stop before the cache closes
         gpu = device.type == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
         self.device_id = self.device.index if gpu else None
@@ -231,7 +339,8 @@ class DaliImageData:
         """Per-rank batches of random-resized crops at `image_size` (scale from `min_scale` or data.min_scale)."""
         fetch = self.fetch_for("train", image_size)
         source = TrainSource(self.readers["train"], fetch, self.world_size, self.rank, batch_size, self.seed,
-                             min_scale or self.cfg.min_scale, self.cfg.hflip)
+                             min_scale or self.cfg.min_scale, self.cfg.hflip, self.prefetch_batches)
+        self._sources.add(source)
         return DaliEpochLoader(self.spec(True, fetch, image_size, batch_size), source, self.device)
 
     def val_loader(self, image_size: int, batch_size: int) -> DaliEpochLoader:
@@ -240,7 +349,8 @@ class DaliImageData:
         if key not in self._val_loaders:
             fetch = self.fetch_for("val", image_size)
             source = ValSource(self.readers["val"], fetch, self.world_size, self.rank, batch_size,
-                               round(image_size * self.cfg.val_resize_ratio), image_size)
+                               round(image_size * self.cfg.val_resize_ratio), image_size, self.prefetch_batches)
+            self._sources.add(source)
             self._val_loaders[key] = DaliEpochLoader(self.spec(False, fetch, image_size, batch_size), source,
                                                      self.device)
         return self._val_loaders[key]
@@ -254,6 +364,8 @@ class DaliImageData:
         return out
 
     def close(self) -> None:
+        for source in list(self._sources):
+            source.stop_prefetch()
         self._val_loaders.clear()
         for reader in self.readers.values():
             reader.cache.close()
