@@ -19,6 +19,26 @@ def test_shipped_configs_load():
     assert [p.image_size for p in dawn.schedule.phases] == [96, 128, 224, 288]
     assert dawn.optim.name == "lars" and dawn.train.target_top5 == 0.93 and dawn.optim.weight_decay == 1e-4
 
+def test_flagship_is_the_dawnbench_entry_recipe():
+    """The values of alibabacloud_resnet50_gn6e_16_machine_tensorflow.json (and its 1-machine sibling)."""
+    dawn = load_config(Config, "configs/resnet50_dawnbench.yaml")
+    o, s = dawn.optim, dawn.schedule
+    assert (o.name, o.nesterov, o.trust_coefficient, o.trust_clip) == ("lars", True, 0.0008, False)
+    assert (o.min_trust_ratio, o.max_trust_ratio) == (1e-5, 1.0)
+    assert (o.lr, s.warmup_epochs, s.decay, s.final_lr) == (25.0, 14, "linear", 0.2)
+    assert (o.momentum, s.momentum_min, dawn.model.label_smoothing) == (0.98, 0.9, 0.1)
+    epochs = [(p.image_size, p.batch_size, p.min_scale or dawn.data.min_scale, p.val_image_size or p.image_size)
+              for p in s.phases for _ in range(p.start_epoch, p.end_epoch)]
+    assert epochs == ([(96, 32768, 0.11, 96)] * 13 + [(128, 32768, 0.11, 128)] * 11 + [(224, 32768, 0.11, 224)] * 3
+                      + [(288, 16384, 0.5, 288)])
+    one = load_config(Config, "configs/resnet50_1node.yaml")
+    o, s = one.optim, one.schedule
+    assert (o.name, o.nesterov, o.lr, o.momentum, s.momentum_min, s.warmup_epochs, s.final_lr) == (
+        "sgd", True, 1.2, 0.96, 0.9, 5, 1e-4)
+    assert [(p.image_size, p.batch_size, p.end_epoch - p.start_epoch) for p in s.phases] == [
+        (96, 2048, 12), (128, 2048, 6), (224, 2048, 2), (288, 1024, 1)]
+    assert one.data.min_scale == 0.08 and s.phases[-1].min_scale == 0.5 and one.train.epochs == 21
+
 def test_base_inheritance_and_precedence(tmp_path):
     write(tmp_path / "a.yaml", "optim: {lr: 0.5, momentum: 0.8}\ntrain: {epochs: 2}\n"
           "schedule: {phases: [{start_epoch: 0, end_epoch: 2, image_size: 32, batch_size: 8}]}\n")
@@ -50,6 +70,21 @@ def test_wrong_type_and_impossible_values():
         load_config(Config, None, [])
     with pytest.raises(ConfigError, match=r"data\.min_scale: must be in \(0, 1\]"):
         load_config(Config, None, ["data.min_scale=0", PHASE])
+
+@pytest.mark.parametrize("overrides, match", [
+    (["optim.min_trust_ratio=-1"], r"optim\.min_trust_ratio: must be >= 0, got -1\.0"),
+    (["optim.max_trust_ratio=0"], r"optim\.max_trust_ratio: must be > 0 \(or null for no bound\), got 0\.0"),
+    (["optim.min_trust_ratio=0.5", "optim.max_trust_ratio=0.1"],
+     r"optim\.min_trust_ratio: 0\.5 is above optim\.max_trust_ratio 0\.1; the range must be min <= max"),
+    (["optim.trust_clip=true", "optim.max_trust_ratio=1"],
+     r"optim\.trust_clip: cannot be combined with optim\.min_trust_ratio / optim\.max_trust_ratio .*"
+     r"set optim\.trust_clip=false to use the range"),
+])
+def test_impossible_trust_ranges(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(Config, None, [*overrides, PHASE])
+    cfg = load_config(Config, None, ["optim.max_trust_ratio=null", "train.epochs=2", PHASE])  # default: no bound
+    assert cfg.optim.max_trust_ratio is None and cfg.optim.min_trust_ratio == 0.0
 
 def test_corrupt_yaml_and_cycles(tmp_path):
     with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML"):

@@ -37,6 +37,10 @@ class OptimConfig:
     """LARS trust coefficient (eta) in eta * ||w|| / (||g|| + wd * ||w|| + eps)."""
     trust_clip: bool = False
     """LARS: clip the local rate so that trust_ratio * lr never exceeds lr (LARC 'clip' mode)."""
+    min_trust_ratio: float = 0.0
+    """LARS: lower bound of the trust ratio, so the local rate is lr x clip(ratio, min, max); 0 = none."""
+    max_trust_ratio: float | None = None
+    """LARS: upper bound of the trust ratio (see min_trust_ratio); null = none."""
     eps: float = 1.0e-8
     """Denominator epsilon (LARS trust ratio, Adam)."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -48,6 +52,16 @@ class OptimConfig:
         require(self.weight_decay >= 0, f"optim.weight_decay: must be >= 0, got {self.weight_decay}")
         require(all(0 <= b < 1 for b in self.betas), f"optim.betas: each must be in [0, 1), got {self.betas}")
         require(not (self.nesterov and self.momentum == 0), "optim.nesterov: needs optim.momentum > 0")
+        require(self.min_trust_ratio >= 0, f"optim.min_trust_ratio: must be >= 0, got {self.min_trust_ratio}")
+        require(self.max_trust_ratio is None or self.max_trust_ratio > 0,
+                f"optim.max_trust_ratio: must be > 0 (or null for no bound), got {self.max_trust_ratio}")
+        require(self.max_trust_ratio is None or self.min_trust_ratio <= self.max_trust_ratio,
+                f"optim.min_trust_ratio: {self.min_trust_ratio} is above optim.max_trust_ratio "
+                f"{self.max_trust_ratio}; the range must be min <= max")
+        require(not (self.trust_clip and (self.min_trust_ratio > 0 or self.max_trust_ratio is not None)),
+                "optim.trust_clip: cannot be combined with optim.min_trust_ratio / optim.max_trust_ratio "
+                "(two different clips of the trust ratio); set optim.trust_clip=false to use the range, "
+                "or leave the range unset")
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
@@ -74,7 +88,8 @@ def _sgd(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
 
 def _lars(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     return FusedLARS(groups, lr=cfg.lr, momentum=cfg.momentum, trust_coefficient=cfg.trust_coefficient,
-                     eps=cfg.eps, nesterov=cfg.nesterov, trust_clip=cfg.trust_clip)
+                     eps=cfg.eps, nesterov=cfg.nesterov, trust_clip=cfg.trust_clip,
+                     min_trust_ratio=cfg.min_trust_ratio, max_trust_ratio=cfg.max_trust_ratio)
 
 
 def _adam(name: str) -> Callable[[list[dict], OptimConfig], torch.optim.Optimizer]:
