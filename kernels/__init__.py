@@ -6,7 +6,8 @@ Imports nothing from the rest of the repository (trainer, data, recipes import t
 
 from kernels.adam import build_adam
 from kernels.lars import FusedLARS
-from kernels.mstopk import mstopk, mstopk_reference
+from kernels.mstopk import mstopk, mstopk_device_ops, mstopk_reference, mstopk_warm_up
 from kernels.small_conv import use_gemm_for_small_maps
 
-__all__ = ["FusedLARS", "build_adam", "mstopk", "mstopk_reference", "use_gemm_for_small_maps"]
+__all__ = ["FusedLARS", "build_adam", "mstopk", "mstopk_device_ops", "mstopk_reference", "mstopk_warm_up",
+           "use_gemm_for_small_maps"]

@@ -13,46 +13,43 @@ Selection by |x|, exactly k (value, index) pairs, without sorting x:
 
 Guards: ``k >= numel`` returns every element; ``k <= 0`` raises ValueError; if ``count(0) <= k``
 (k exceeds the number of elements at or above the mean, so the bisection range cannot hold the
-answer) the result is the exact top-k of |x|; NaN or inf in x raises ValueError. float16, bfloat16
-and float64 inputs are compared in float32. Inputs of any shape are flattened; indices refer to
-``x.reshape(-1)``.
+answer) the result is the exact top-k of |x|: with v the k-th largest |x|, every element with
+``|x| > v`` plus the first ones, by index, with ``|x| = v`` (step 3 with the band ``[v, v]``). NaN
+or inf in x raises ValueError (when k < numel), except on the device path (`mstopk` on CUDA
+tensors, and `mstopk_device_ops`), where raising would need a host sync: there the result is k NaN
+values, in x's dtype, with indices 0 .. k-1. float16, bfloat16 and float64 inputs are compared in
+float32. Inputs of any shape are flattened; indices refer to ``x.reshape(-1)``.
 
-Three implementations share these semantics and are tested against each other:
+Four implementations share these semantics and are tested against each other:
 ``mstopk_reference`` (the literal algorithm: one pass over x per bisection step), a CPU path of
 three streaming passes (kernels/csrc/mstopk_cpu.cpp: exact bit-pattern histograms replace the
-per-step passes) and a Triton path for CUDA tensors (kernels/mstopk_triton.py). Those two sum |x|
-in another order than torch, so their mean may differ in the last float64 bit; that changes a
-float32 threshold only on an exact rounding tie.
+per-step passes), and the device path for CUDA tensors, which never waits for the device
+(kernels/mstopk_device.py: the algorithm and its torch-op version, which also runs on CPU tensors;
+kernels/mstopk_triton.py: its Triton kernels). The CPU and Triton paths sum |x| in another order
+than torch, so their mean may differ in the last float64 bit; that changes a float32 threshold only
+on an exact rounding tie.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
-from typing import Callable
+import warnings
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
 
 from kernels import _native
+from kernels.mstopk_device import MAX_ITERS, check_args, everything, mstopk_device_ops
 
-MAX_ITERS = 32
+__all__ = ["MAX_ITERS", "mstopk", "mstopk_device_ops", "mstopk_reference", "mstopk_warm_up"]
+
 LOW_BITS = 15  # the C++ scan bins |x| by bits 15..30 of its float32 pattern; refine by bits 0..14
 HIGH_BINS = 1 << 16
 
 # ---------------------------------------------------------------- shared pieces of the algorithm
-
-
-def _flatten_checked(x: Tensor, k: int, iters: int) -> Tensor:
-    if not x.is_floating_point():
-        raise ValueError(f"mstopk: x must be a floating-point tensor, got {x.dtype}")
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise ValueError(f"mstopk: k must be an int, got {type(k).__name__}")
-    if k <= 0:
-        raise ValueError(f"mstopk: k must be positive, got k={k}")
-    if not 1 <= iters <= MAX_ITERS:
-        raise ValueError(f"mstopk: iters must be in [1, {MAX_ITERS}], got {iters}")
-    return x.reshape(-1)
 
 
 def checked_mean(total: float, n: int) -> float:
@@ -75,14 +72,22 @@ def _float_bits(value: float) -> int:
     return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
-def everything(flat: Tensor) -> tuple[Tensor, Tensor]:
-    return flat, torch.arange(flat.numel(), device=flat.device)
+def keep_between(flat: Tensor, a: Tensor, lo: Tensor | float, hi: Tensor | float,
+                 k: int) -> tuple[Tensor, Tensor]:
+    """Step 3: every |x| >= hi, then the first elements by index with lo <= |x| < hi, k in all."""
+    above = a >= hi
+    band = (a >= lo) & ~above
+    need = k - int(above.sum())
+    keep = above | (band & (band.cumsum(0) <= need))
+    indices = keep.nonzero().squeeze(1)
+    return flat[indices], indices
 
 
 def exact_topk(flat: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Exact top-k of |x| (ascending indices): the fallback when k exceeds count(0)."""
-    indices = torch.topk(flat.float().abs(), k, sorted=False).indices.sort().values
-    return flat[indices], indices
+    """Exact top-k of |x| (ascending indices, ties at the k-th by index): for count(0) <= k."""
+    a = flat.float().abs()
+    kth = torch.topk(a, k, sorted=False).values.min()
+    return keep_between(flat, a, kth, torch.nextafter(kth, kth.new_tensor(float("inf"))), k)
 
 
 # ---------------------------------------------------------------- reference
@@ -90,7 +95,7 @@ def exact_topk(flat: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def mstopk_reference(x: Tensor, k: int, iters: int = 20) -> tuple[Tensor, Tensor]:
     """The literal algorithm in torch, one pass over x per bisection step (see the module doc)."""
-    flat = _flatten_checked(x, k, iters)
+    flat = check_args(x, k, iters)
     if k >= flat.numel():
         return everything(flat)
     a = flat.float().abs()
@@ -113,12 +118,8 @@ def mstopk_reference(x: Tensor, k: int, iters: int = 20) -> tuple[Tensor, Tensor
                 lo = mid
             else:
                 hi = mid
-    above = a >= threshold(mean, max_abs, hi, iters)
-    band = (a >= threshold(mean, max_abs, lo, iters)) & ~above
-    need = k - int(above.sum())
-    keep = above | (band & (band.cumsum(0) <= need))
-    indices = keep.nonzero().squeeze(1)
-    return flat[indices], indices
+    return keep_between(flat, a, threshold(mean, max_abs, lo, iters),
+                        threshold(mean, max_abs, hi, iters), k)
 
 
 # ---------------------------------------------------------------- fast CPU path
@@ -208,20 +209,52 @@ def native_library() -> ctypes.CDLL | None:
 # ---------------------------------------------------------------- entry point
 
 
+@functools.cache
+def device_path() -> Callable[[Tensor, int, int], tuple[Tensor, Tensor]]:
+    """The sync-free implementation for CUDA tensors: the Triton kernels, or (after one warning)
+    the same algorithm in torch ops where Triton cannot be imported."""
+    try:
+        from kernels.mstopk_triton import mstopk_triton  # Triton is imported only for GPU work
+    except ImportError as err:
+        warnings.warn(f"mstopk: Triton unavailable ({err}); CUDA tensors use the torch-op "
+                      "version of the device path", RuntimeWarning, stacklevel=2)
+        return mstopk_device_ops
+    return mstopk_triton
+
+
 def mstopk(x: Tensor, k: int, iters: int = 20) -> tuple[Tensor, Tensor]:
     """Approximate top-k of |x|: (values, int64 indices), exactly min(k, numel) of them.
 
-    Semantics, guards and errors are in the module docstring. CUDA tensors use the Triton kernels,
+    Semantics, guards and errors are in the module docstring. CUDA tensors take the device path
+    (Triton kernels; no host sync, so NaN or inf in x gives NaN values rather than a ValueError),
     CPU tensors the compiled kernels (or, where no C++ compiler works, `mstopk_reference`).
     """
-    flat = _flatten_checked(x, k, iters)
+    flat = check_args(x, k, iters)
     if k >= flat.numel():
         return everything(flat)
     if flat.is_cuda:
-        from kernels.mstopk_triton import mstopk_triton  # Triton is imported only for GPU work
-
-        return mstopk_triton(flat, k, iters)
+        return device_path()(flat, k, iters)
     lib = native_library()
     if lib is None:
         return mstopk_reference(flat, k, iters)
     return _mstopk_cpu(lib, flat, k, iters)
+
+
+def mstopk_warm_up(device: torch.device | str, sizes: Iterable[tuple[int, int]], iters: int = 20,
+            dtype: torch.dtype = torch.float32) -> None:
+    """Compile, ahead of the first timed step, what `mstopk` runs on `device` for these sizes.
+
+    sizes: the (numel, k) pairs of the calls to come (per gradient bucket: the shard size and its
+    k). On CUDA every pair gets one call on zeros of `dtype` on the current stream, then the device
+    synchronises: Triton compiles a kernel on its first launch for each new dtype, iters and
+    integer-argument specialisation (numel and k divisible by 16 or equal to 1), and the device
+    path launches all its kernels on every call whatever the data, so zeros reach them all. On
+    the CPU it builds or loads the compiled kernels. Only call it where a sync is allowed.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        native_library()
+        return
+    for numel, k in sizes:
+        mstopk(torch.zeros(numel, dtype=dtype, device=device), k, iters)
+    torch.cuda.synchronize(device)
