@@ -59,10 +59,18 @@ quickstart-2x2: digits
 	$(TORCHRUN) --standalone --nproc_per_node 4 -m recipes.resnet50 --config configs/quickstart_cpu_2x2.yaml $(ARGS)
 	$(PY) scripts/plot_tta.py runs/quickstart_2x2 --out runs/quickstart_2x2/tta.png
 
+# Before the clock starts, each node fills its cache (L1 copies, L3 low-res arrays) with exactly the samples its
+# GPUS_PER_NODE ranks will read in the run (scripts/prepare_cache.py --nnodes; a warm cache is checked from its
+# manifest and index, reading no file). NOCACHE=1 skips that step (a config without data.cache.dir, or a cache filled
+# by other means); epoch 1 then fills the cache as it reads. The rendezvous waits up to RDZV_TIMEOUT seconds
+# (default 3600) for the nodes whose fill takes longest.
 define cluster_run
 	$(PY) -m data $(DATA)
+	$(if $(NOCACHE),@echo "NOCACHE=$(NOCACHE): the cache is not filled ahead of the run",$(PY) \
+	  scripts/prepare_cache.py --config $(1) --nnodes $(NNODES) --node-rank $(NODE_RANK) \
+	  --ranks-per-node $(GPUS_PER_NODE) data.root=$(DATA) $(filter-out --resume,$(ARGS)))
 	$(TORCHRUN) --nnodes $(NNODES) --node_rank $(NODE_RANK) --nproc_per_node $(GPUS_PER_NODE) \
-	  --master_addr $(MASTER_ADDR) --master_port $(MASTER_PORT) \
+	  --master_addr $(MASTER_ADDR) --master_port $(MASTER_PORT) --rdzv_conf timeout=$(or $(RDZV_TIMEOUT),3600) \
 	  -m recipes.resnet50 --config $(1) data.root=$(DATA) $(ARGS)
 endef
 

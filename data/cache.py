@@ -101,6 +101,10 @@ class Level:
     def put(self, i: int, data: np.ndarray) -> None:
         raise NotImplementedError
 
+    def listed(self) -> np.ndarray:
+        """Per entry, whether it is listed as complete: nothing is read or checksummed (a `get` still checks)."""
+        raise NotImplementedError
+
     def write(self, action: Callable[[], object]) -> None:
         """Run a write; on any OSError (ENOSPC, EDQUOT, EFBIG, EACCES) stop writing to this level, with one warning."""
         if not self.writable:
@@ -192,6 +196,11 @@ class DiskLevel(Level):
             if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
                 self.entries[parts[0]] = (int(parts[1]), int(parts[2]))
 
+    def listed(self) -> np.ndarray:
+        self.refresh()
+        return np.array([self.entries.get(rel, (-1, 0))[0] == size for rel, size in zip(self.split.files,
+                                                                                        self.split.sizes)], dtype=bool)
+
     def get(self, i: int) -> np.ndarray | None:
         rel = self.split.files[i]
         if rel not in self.entries:
@@ -266,6 +275,9 @@ class RamLevel(Level):
             raise
         warn_if_short(self, ram_dir, length - os.fstat(self.fd).st_blocks * 512)
 
+    def listed(self) -> np.ndarray:
+        return np.frombuffer(self.map, dtype=np.uint8, count=len(self.split), offset=self.flags_at) == 1
+
     def get(self, i: int) -> np.ndarray | None:
         if self.map[self.flags_at + i] != 1:
             return self.miss()
@@ -323,6 +335,9 @@ class LowResLevel(Level):
             raise
         filled = int((self.index["magic"] == MAGIC).sum())
         warn_if_short(self, self.folder, int((n - filled) * short_side * short_side * 1.33 * 3))
+
+    def listed(self) -> np.ndarray:
+        return np.asarray(self.index["magic"] == MAGIC)
 
     def get(self, i: int) -> np.ndarray | None:
         rec = self.index[i]

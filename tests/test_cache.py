@@ -174,7 +174,10 @@ def test_prepare_cache_fills_l1_and_l3_ahead_of_the_run(folder, tmp_path):
     cfg = dali_config(folder, tmp_path, ram=False)
     stats = prepare(cfg, threads=2)
     assert stats["cache/l1_misses"] == stats["cache/l3_misses"] == 14 and stats["data/skipped_images"] == 0
-    assert prepare(cfg, threads=2)["cache/l3_hits"] == 14  # a rerun only checks
+    again = prepare(cfg, threads=2)  # a rerun reads nothing: the manifest and the L3 index list every entry
+    assert again["prepare/already_cached"] == 28 and again["cache/l1_hits"] == again["cache/l3_hits"] == 0
+    assert again["cache/l0_hits"] == again["cache/l1_misses"] == again["cache/l3_misses"] == 0
+    assert prepare(cfg, threads=2, verify=True)["cache/l3_hits"] == 14  # --verify reads and checksums them
     data = build_image_data(cfg, 0, 1, seed=0)
     for size in (32, 40):  # 32: L3; 40: decoded from the L1 copies
         loader = data.train_loader(size, 5)
@@ -189,3 +192,56 @@ def test_relative_cache_dir_lies_inside_the_dataset():
     assert cache_folder(CacheConfig(dir=".cache"), "datasets/digits") == Path("datasets/digits/.cache")
     assert cache_folder(CacheConfig(dir="/ssd/c"), "datasets/digits") == Path("/ssd/c")
     assert cache_folder(CacheConfig(dir=""), "x") is None
+
+
+def test_prepare_cache_fills_only_this_nodes_shard_and_a_warm_rerun_reads_nothing(tmp_path):
+    from scripts.prepare_cache import main
+    from trainer.schedules import get_phase
+
+    root = write_folder(tmp_path / "ds", classes=2, per_class=12, val_per_class=3)
+    (tmp_path / "ram").mkdir()
+    config = tmp_path / "run.yaml"  # 2 nodes x 1 rank; epoch 0 reads L3 (24 px), epoch 1 the L1 copies (40 px)
+    config.write_text(f"""base: {ROOT}/configs/quickstart_cpu.yaml
+data: {{root: {root}, cache: {{dir: {tmp_path}/cache, ram_dir: {tmp_path}/ram}}}}
+schedule:
+  phases:
+    - {{start_epoch: 0, end_epoch: 1, image_size: 24, batch_size: 4}}
+    - {{start_epoch: 1, end_epoch: 2, image_size: 40, batch_size: 4}}
+train: {{epochs: 2, seed: 5}}
+""")
+    argv = ["--config", str(config), "--nnodes", "2", "--node-rank", "1", "--ranks-per-node", "1", "--threads", "2"]
+    stats = main(argv)
+    filled = int(stats["cache/l1_misses"])
+    assert 0 < filled < 24 + 6 and stats["prepare/already_cached"] == 0 and stats["data/skipped_images"] == 0
+    # the run of node 1 (rank 1 of 2) then reads every sample from the cache, none from the files
+    from recipes.resnet50 import Config
+    from trainer.config import load_config
+    cfg = load_config(Config, str(config), [])
+    data = build_image_data(cfg.data, rank=1, world_size=2, seed=cfg.train.seed)
+    for epoch in range(cfg.train.epochs):
+        phase = get_phase(cfg.schedule.phases, epoch)
+        loader = data.train_loader(phase.image_size, phase.batch_size // 2)
+        loader.set_epoch(epoch)
+        assert len(list(loader)) == 6
+        assert len(list(data.val_loader(phase.image_size, 2))) == 2
+    run = data.stats()
+    data.close()
+    assert run["cache/l0_hits"] == 0 and run["cache/l3_misses"] == 0 and run["cache/l3_hits"] > 0
+    assert run["cache/l1_hits"] == run["cache/l2_misses"] > 0  # the 40 px epoch: L2 (RAM) misses, L1 hits
+    again = main(argv)
+    assert again["prepare/already_cached"] > filled  # L1 and L3 entries
+    assert sum(v for k, v in again.items() if k.startswith("cache/")) == 0, "a warm rerun reads nothing"
+    other = main(argv[:5] + ["0"] + argv[6:])  # node 0: its own shard, partly new
+    assert other["cache/l1_misses"] > 0 and other["prepare/already_cached"] > 0
+
+
+@pytest.mark.parametrize("n, world, batch", [(40, 4, 3), (43, 4, 2), (43, 3, 5), (7, 8, 1)])
+def test_node_shard_samples_are_the_loaders_samples(n, world, batch):
+    from data.sampling import train_batches
+    from scripts.prepare_cache import epoch_samples
+    for epoch in (0, 3):
+        ranks = range(1, world)
+        read = epoch_samples(n, world, ranks, batch, seed=11, epoch=epoch)
+        assert read.shape[0] == len(ranks)
+        for row, rank in zip(read, ranks):
+            assert np.array_equal(row, train_batches(n, world, rank, batch, 11, epoch).ravel())
