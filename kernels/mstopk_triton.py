@@ -8,7 +8,7 @@ call, pass or selection, and torch ops only for a few tiny reductions and prefix
   (a [SUB, LANES] tile at a time) and adds its counts atomically. Each program first derives the
   pass's base from the previous pass's counts, so the search needs no separate launch between
   passes; where the gate is 0 (the fallback search when it is not needed) the programs only store
-  the base and return;
+  the base;
 - select: per-block counts of the elements above and inside the band, exclusive prefix sums over
   the blocks, then each program writes its kept indices in ascending order from an in-block prefix
   sum. Positions past k, possible only for non-finite input, are masked.
@@ -80,9 +80,10 @@ def _count_kernel(x_ptr, n, stats_ptr, gate_ptr, base_ptr, counts_ptr, p, prev_s
     tl.store(base_ptr + p, base)  # every program stores the same value
     thr = _key_thresholds(stats_ptr, base + lanes.to(tl.int64) * step, GRID, FLOAT_KEYS)
     thr = tl.where(lanes < points, thr, float("inf"))
+    if tl.load(gate_ptr) == 0:  # a closed gate: nothing to count
+        return
     acc = tl.zeros([LANES], dtype=tl.int32)
-    end = tl.load(gate_ptr) * BLOCK  # 0 where the gate is closed: no loads, nothing counted
-    for start in range(0, end, SUB):
+    for start in range(0, BLOCK, SUB):
         a = _load_abs(x_ptr, n, pid.to(tl.int64) * BLOCK + start + tl.arange(0, SUB))
         acc += tl.sum((a[:, None] >= thr[None, :]).to(tl.int32), axis=0)
     tl.atomic_add(counts_ptr + p * LANES + lanes, acc.to(tl.int64))
@@ -144,8 +145,9 @@ class TritonPasses:
               prev_step: int, step: int, points: int, limit: int, grid: int,
               float_keys: bool) -> None:
         _count_kernel[(self.blocks,)](self.x, self.n, stats, gate, base, counts, p, prev_step, step,
-                                      points, limit, GRID=grid, FLOAT_KEYS=float_keys, BLOCK=BLOCK,
-                                      SUB=SUB, LANES=LANES, **EXACT_FP)
+                                      points, limit, GRID=0 if float_keys else grid,  # one variant
+                                      FLOAT_KEYS=float_keys, BLOCK=BLOCK, SUB=SUB, LANES=LANES,
+                                      **EXACT_FP)
 
     def select(self, bounds: Tensor, k: int) -> Tensor:
         block_counts = self._empty(self.blocks, 2, dtype=torch.int64)
