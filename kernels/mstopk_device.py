@@ -13,9 +13,10 @@ The algorithm, in terms of a "search" for the largest key whose count exceeds a 
    limit k. Each pass counts ``|x| >= threshold`` for LANES keys at once, ``base + t * step``, and
    moves base past every key whose count exceeds the limit; LANE_BITS bits per pass, so iters = 20
    (21 bits) takes five passes. The result is J, and the first pass's count of key 0 is count(0).
-3. Fallback search, done only where count(0) <= k (a device flag gates the work): keys are the
-   float32 bit patterns of non-negative values (31 bits, seven passes), limit k - 1, so the result
-   is the bit pattern of the k-th largest |x|.
+3. Fallback search, needed only where count(0) <= k: a device flag gates it (the Triton kernels
+   return at once, the torch ops zero its counts). Keys are the float32 bit patterns of
+   non-negative values (31 bits, seven passes), limit k - 1, so the result is the bit pattern of
+   the k-th largest |x|.
 4. Selection between bounds (lo, hi): (T(J), T(J + 1)), or (v, next float after v) for the k-th
    largest v in the fallback. Every |x| >= hi is kept, plus the first ``k - #{|x| >= hi}`` elements
    by index with lo <= |x| < hi; an exclusive prefix sum gives each kept element its output
