@@ -27,7 +27,7 @@ from trainer.classification import ClassificationTask, ClassificationTrainConfig
 from trainer.cli import parse_config
 from trainer.comm import CommConfig, build_communicator
 from trainer.config import require, save_config, to_dict
-from trainer.dist import DistConfig, setup_distributed, teardown_distributed
+from trainer.dist import DistConfig, ReplicaGuard, setup_distributed, teardown_distributed
 from trainer.loop import Trainer, seed_everything
 from trainer.metrics import LogConfig, build_metrics
 from trainer.optim import OptimConfig, build_optimizer
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         task = ClassificationTask(model, data, topo, cfg.schedule.phases, cfg.model.label_smoothing,
                                   cfg.train.channels_last, cfg.train.target_top1, cfg.train.target_top5)
         trainer = Trainer(cfg.train, cfg.schedule, cfg.optim, cfg.log, topo, model, task, optimizer, comm, metrics,
-                          to_dict(cfg))
+                          to_dict(cfg), ReplicaGuard(cfg.dist.check_every_steps, topo))
         summary = trainer.fit()
         if topo.is_main:
             print_result(summary, cfg)

@@ -22,7 +22,7 @@ from data.translation import TranslationData, TranslationDataConfig, Translation
 from trainer.cli import parse_config
 from trainer.comm import CommConfig, build_communicator
 from trainer.config import save_config, to_dict
-from trainer.dist import DistConfig, setup_distributed, teardown_distributed
+from trainer.dist import DistConfig, ReplicaGuard, setup_distributed, teardown_distributed
 from trainer.loop import Trainer, seed_everything
 from trainer.metrics import LogConfig, MetricsLogger, build_metrics
 from trainer.optim import OptimConfig, build_optimizer, maybe_clip_gradients
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
             save_config(cfg, Path(cfg.log.dir) / "config.yaml")
         task = TranslationTask(model, data, topo, cfg.train, cfg.model.label_smoothing)
         trainer = Trainer(cfg.train, cfg.schedule, cfg.optim, cfg.log, topo, model, task, optimizer, comm, metrics,
-                          to_dict(cfg))
+                          to_dict(cfg), ReplicaGuard(cfg.dist.check_every_steps, topo))
         if topo.is_main:
             steps = data.steps_per_epoch()
             print(f"warm-up: {cfg.schedule.warmup_epochs} epochs x {steps} steps = "

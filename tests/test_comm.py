@@ -134,6 +134,29 @@ def test_topk_and_hitopk_match_the_single_process_reference(tmp_path, world):
     run_ranks(_all_layouts, world, tmp_path)
 
 
+def residual_total(comm, world: int, local: int) -> torch.Tensor:
+    """Every rank's residual shards, summed at their offsets in the flat bucket order (a collective)."""
+    mine = [comm.residuals.get(b.index) for b in comm.buckets]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    parts = []
+    for b in comm.buckets:
+        s = math.ceil(b.numel / local)
+        total = torch.zeros(s * local)
+        for r, res in enumerate(gathered):
+            if res[b.index] is not None:
+                lr = r % local
+                total[lr * s:(lr + 1) * s] += res[b.index]
+        parts.append(total[:b.numel])
+    return torch.cat(parts)
+
+
+def flat_in_bucket_order(comm, model: Params, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per-parameter tensors (in model order) concatenated in the communicator's bucket order."""
+    index = {id(p): i for i, p in enumerate(model.ps)}
+    return torch.cat([torch.cat([tensors[index[id(p)]] for p in b.params]) for b in comm.buckets])
+
+
 def _mass_is_conserved(rank: int, world: int, kind: str, per_node: int) -> None:
     """W * averaged + sum of residuals == sum of gradients + sum of previous residuals, every step."""
     topo = setup_distributed(DistConfig(ranks_per_node=per_node))
@@ -141,37 +164,25 @@ def _mass_is_conserved(rank: int, world: int, kind: str, per_node: int) -> None:
     comm = build_communicator(CommConfig(kind=kind, bucket_mb=BUCKET_MB, density=0.02, dense_below=20), model, topo)
     local, _ = layout(kind, world, per_node)
 
-    def residual_total() -> torch.Tensor:  # every rank's residual shards, summed at their offsets
-        mine = [comm.residuals.get(b.index) for b in comm.buckets]
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine)
-        parts = []
-        for b in comm.buckets:
-            s = math.ceil(b.numel / local)
-            total = torch.zeros(s * local)
-            for r, res in enumerate(gathered):
-                if res[b.index] is not None:
-                    lr = r % local
-                    total[lr * s:(lr + 1) * s] += res[b.index]
-            parts.append(total[:b.numel])
-        return torch.cat(parts)
+    def residual_total_() -> torch.Tensor:
+        return residual_total(comm, world, local)
 
     def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([torch.cat([tensors[i] for i in (model_index[id(p)] for p in b.params)])
-                          for b in comm.buckets])
+        return flat_in_bucket_order(comm, model, tensors)
 
-    model_index = {id(p): i for i, p in enumerate(model.ps)}
-    before = residual_total()
+    before = residual_total_()
     buffers = None
     for step in range(3):
         backward_with(model, grads_of(rank, step, False))
         comm.finish()
-        # The flat buffers are allocated once and reused (a fresh one per step costs page faults on the CPU)
-        pointers = [b.buffer.data_ptr() for b in comm.buckets] + [r.data_ptr() for r in comm.residuals.values()]
-        assert buffers is None or pointers == buffers
+        # The flat buffers are allocated once and reused (a fresh one per step costs page faults on the CPU);
+        # each residual alternates between two buffers (the spare one holds the previous step's, for rollback)
+        pointers = [b.buffer.data_ptr() for b in comm.buckets] + sorted(
+            r.data_ptr() for r in (*comm.residuals.values(), *comm._spare.values()) if r is not None)
+        assert step < 2 or pointers == buffers
         buffers = pointers
         incoming = flat([sum(gs) for gs in zip(*(grads_of(r, step, False) for r in range(world)))])
-        after = residual_total()
+        after = residual_total_()
         sent = flat([p.grad for p in model.ps]) * world
         torch.testing.assert_close(sent + after, incoming + before, rtol=1e-5, atol=1e-4)
         assert after.abs().sum() > 0  # something was held back

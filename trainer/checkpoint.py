@@ -12,6 +12,7 @@ import io
 import os
 import re
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +63,42 @@ def load_verified(path: Path) -> dict[str, Any]:
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
 
 
+def to_host(obj: Any) -> Any:
+    """A copy of `obj` (nested dicts, lists, tuples) whose tensors are host-memory copies: later training
+    steps cannot change it while it is being written."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v) for v in obj)
+    return obj
+
+
 class Checkpointer:
     """Numbered checkpoints in one folder; keeps the newest `keep`."""
 
     def __init__(self, folder: str | Path, keep: int = 2) -> None:
         self.folder = Path(folder)
         self.keep = keep
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+
+    def save_in_background(self, state: dict[str, Any], step: int) -> None:
+        """Snapshot `state` into host memory now and write it on a background thread, so training goes on
+        while the file is pickled, hashed and synced. One write at a time: this first waits for the previous
+        one and raises its CheckpointWriteError, if it failed."""
+        self.wait()
+        snapshot = to_host(state)
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._pending = self._writer.submit(self.save, snapshot, step)
+
+    def wait(self) -> None:
+        """Wait for a background write; raise its error, if any."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def paths(self) -> list[Path]:
         """Existing checkpoints, newest first."""

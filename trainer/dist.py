@@ -33,14 +33,22 @@ class DistConfig:
     ranks_per_node: int = 0
     """Ranks per node; 0 = from the launcher (LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE). Set it to emulate
     several nodes on one machine (2 processes as 2 nodes x 1 rank, say)."""
+    check_every_steps: int = 500
+    """Every this many optimizer steps, compare a checksum of every rank's weights (one small all-gather);
+    replicas that differ stop the run naming the first diverged rank; 0 = never."""
 
     def __post_init__(self) -> None:
         require(self.timeout_s > 0, f"dist.timeout_s: must be > 0, got {self.timeout_s}")
+        require(self.check_every_steps >= 0, f"dist.check_every_steps: must be >= 0, got {self.check_every_steps}")
         require(self.ranks_per_node >= 0, f"dist.ranks_per_node: must be >= 0, got {self.ranks_per_node}")
 
 
 class CommTimeoutError(RuntimeError):
     """A collective did not complete in time: a peer is hung, dead or unreachable."""
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """The ranks' copies of the weights are no longer bitwise equal."""
 
 
 HEARTBEAT_S = 0.5
@@ -105,12 +113,19 @@ class Group:
         self.pg, self.global_rank, self.timeout, self.liveness = pg, global_rank, timeout, liveness
         self.size, self.rank = dist.get_world_size(pg), dist.get_rank(pg)
         self.members = dist.get_process_group_ranks(pg) if pg is not None else list(range(self.size))
+        self.host_wait = dist.get_backend(pg) != "nccl"
+        """gloo: wait on the host, bounded by the timeout. NCCL: `Work.wait()` only orders the current CUDA
+        stream after the collective (no host sync); a timed wait would block the host on every bucket. A hung
+        NCCL collective is ended by the process group's own timeout (dist.timeout_s) and its watchdog."""
         self._reduce_scatter_ok = True
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for an async handle, turning a timeout or a dead peer into a CommTimeoutError."""
         try:
-            work.wait(self.timeout)
+            if self.host_wait:
+                work.wait(self.timeout)
+            else:
+                work.wait()
         except RuntimeError as e:
             raise self.failure(what, e) from e
 
@@ -353,3 +368,42 @@ def broadcast_module(module: nn.Module, topo: Topology, buffers_only: bool = Fal
     with torch.no_grad():
         for t in tensors:
             topo.world.broadcast_(t.data, src=0)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def weights_checksum(module: nn.Module) -> torch.Tensor:
+    """A 0-d int64 tensor on the weights' device: the parameters' bit patterns summed as integers, each tensor
+    weighted by its position. Equal weights give equal sums; one changed bit changes the sum. No host sync."""
+    total = None
+    for position, p in enumerate(module.parameters(), start=1):
+        bits = p.detach().view(_BITS[p.element_size()]).sum(dtype=torch.int64) * position
+        total = bits if total is None else total + bits
+    return total if total is not None else torch.zeros((), dtype=torch.int64)
+
+
+class ReplicaGuard:
+    """Every `every` steps, all-gathers each rank's `weights_checksum` and stops the run if they differ.
+
+    Nothing re-synchronises the replicas after the first broadcast, so an update that differs by one bit on
+    one rank (a nondeterministic reduction, a bad GPU) would otherwise go on forever; evaluation and
+    checkpoints assume every rank holds rank 0's weights.
+    """
+
+    def __init__(self, every: int, topo: Topology) -> None:
+        self.every, self.topo = every, topo
+
+    def should_check(self, step: int) -> bool:
+        return self.topo.distributed and self.every > 0 and step % self.every == 0
+
+    def maybe_check(self, module: nn.Module, step: int) -> None:
+        if not self.should_check(step):
+            return
+        sums = self.topo.world.all_gather(weights_checksum(module).reshape(1).to(self.topo.device),
+                                          "all-gather of the weight checksums").tolist()
+        diverged = [r for r, value in enumerate(sums) if value != sums[0]]
+        if diverged:
+            raise ReplicaDivergenceError(
+                f"step {step}: the model replicas differ: rank {diverged[0]}'s weights are not bitwise equal to "
+                f"rank 0's (diverged ranks: {diverged}); every rank stops (dist.check_every_steps)")

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from trainer.checkpoint import Checkpointer, CheckpointWriteError
 from trainer.comm import Communicator
 from trainer.config import ConfigError, require
-from trainer.dist import Topology, all_reduce_sum, broadcast_flag, broadcast_module
+from trainer.dist import ReplicaGuard, Topology, all_reduce_sum, broadcast_flag, broadcast_module
 from trainer.metrics import LogConfig, MetricsLogger
 from trainer.optim import OptimConfig, set_lr_momentum
 from trainer.schedules import Phase, ScheduleConfig, get_lr, get_momentum, get_phase
@@ -60,6 +60,9 @@ class TrainConfig:
     checkpoint_every_steps: int = 0
     """Also write a checkpoint every this many optimizer steps, inside epochs (a resume continues mid-epoch):
     bounds the work a crash loses; 0 = at epoch ends only."""
+    checkpoint_in_background: bool = False
+    """Snapshot checkpoints to host memory and write them on a background thread (training goes on during
+    the write; a failed write stops the run at the next checkpoint or at the end)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep."""
     resume: bool | Literal["auto"] = "auto"
@@ -148,15 +151,20 @@ class Trainer:
 
     def __init__(self, train: TrainConfig, schedule: ScheduleConfig, optim: OptimConfig, log: LogConfig,
                  topo: Topology, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer, comm: Communicator,
-                 metrics: MetricsLogger, run_config: dict) -> None:
+                 metrics: MetricsLogger, run_config: dict, guard: ReplicaGuard | None = None) -> None:
         self.cfg, self.schedule, self.optim_cfg, self.log_cfg = train, schedule, optim, log
         self.topo, self.model, self.task, self.optimizer, self.comm = topo, model, task, optimizer, comm
         self.metrics, self.run_config = metrics, run_config
+        self.guard = guard or ReplicaGuard(0, topo)
         # No phase table (e.g. translation): one phase spanning the run.
         self.phases: list[Phase] = schedule.phases or [Phase(start_epoch=0, end_epoch=train.epochs)]
         self.amp_dtype = resolve_amp(train.amp, topo.device)
         scaled = train.loss_scale == "dynamic" or (train.loss_scale == "auto" and self.amp_dtype == torch.float16)
         self.scaler = torch.amp.GradScaler(topo.device.type, enabled=scaled)
+        # The scaler skips optimizer.step() after an overflow; this hook tells us whether it ran, without
+        # reading the scale back from the device (the scaler's own check is the step's one host sync).
+        self._stepped = False
+        optimizer.register_step_post_hook(self._on_optimizer_step)
         self.checkpointer = Checkpointer(Path(log.dir) / "checkpoints", train.keep_checkpoints)
         # State (checkpointed): next epoch and the steps of it already done, global step, wall-clock seconds
         # so far, eval history, target time, steps the loss scaler skipped.
@@ -164,6 +172,7 @@ class Trainer:
         self.history: list[dict] = []
         self.time_to_target_s: float | None = None
         self.skipped_steps, self.skipped_in_a_row = 0, 0
+        self.checkpoint_s = 0.0
         self._clock = time.perf_counter()
 
     # ------------------------------------------------------------ state
@@ -215,8 +224,11 @@ class Trainer:
         return (bool(every) and self.epoch % every == 0) or (last and bool(every or self.cfg.checkpoint_every_steps))
 
     def checkpoint(self) -> None:
-        """Collective: rank 0 writes every rank's state; if it cannot (a full disk), all ranks stop together."""
-        self.elapsed_s = time.perf_counter() - self._clock
+        """Collective: rank 0 writes every rank's state; if it cannot (a full disk), all ranks stop together.
+        The seconds it takes on the training thread are counted in `time/checkpoint_s` (they are inside the
+        time-to-accuracy clock)."""
+        start = time.perf_counter()
+        self.elapsed_s = start - self._clock
         broadcast_module(self.model, self.topo, buffers_only=True)
         comm_state = self.comm.gather_state()  # every rank's error-feedback residuals, on rank 0
         rng = rng_state(self.topo.device)
@@ -224,9 +236,27 @@ class Trainer:
         error = ""
         if self.topo.is_main:
             try:
-                self.checkpointer.save(self.state_dict(comm_state, rng_states), self.step)
+                state = self.state_dict(comm_state, rng_states)
+                if self.cfg.checkpoint_in_background:
+                    self.checkpointer.save_in_background(state, self.step)
+                else:
+                    self.checkpointer.save(state, self.step)
             except CheckpointWriteError as e:
                 error = str(e)
+        self.raise_if_checkpoint_failed(error)
+        self.checkpoint_s += time.perf_counter() - start
+
+    def wait_for_checkpoints(self) -> None:
+        """Collective: wait for a background checkpoint write; all ranks stop together if it failed."""
+        error = ""
+        if self.topo.is_main:
+            try:
+                self.checkpointer.wait()
+            except CheckpointWriteError as e:
+                error = str(e)
+        self.raise_if_checkpoint_failed(error)
+
+    def raise_if_checkpoint_failed(self, error: str) -> None:
         if broadcast_flag(bool(error), self.topo):  # the others would otherwise wait in the next collective
             raise CheckpointWriteError(f"step {self.step}: {error}; stopping (free space, or point log.dir "
                                        "elsewhere, then resume)" if error else
@@ -244,22 +274,33 @@ class Trainer:
         steps = self.task.steps_per_epoch(phase)
         return min(steps, self.cfg.max_steps_per_epoch) if self.cfg.max_steps_per_epoch else steps
 
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._stepped = True
+
     def train_step(self, batch: Any) -> tuple[torch.Tensor, int, dict[str, float]]:
-        """Forward, backward (buckets launch from hooks), wait for the gradient exchange, optimizer step."""
+        """Forward, backward (buckets launch from hooks), wait for the gradient exchange, optimizer step.
+
+        With a loss scaler the communicator gets the step's scale as a device tensor (its error feedback keeps
+        residuals unscaled), and a step the scaler skips is rolled back in the communicator too."""
         self.model.train()
         with self.autocast():
             loss, units = self.task.loss(batch)
+        if self.scaler.is_enabled():
+            self.comm.set_grad_scale(self.scaler.scale(torch.ones((), device=self.topo.device)))
         self.scaler.scale(loss).backward()
         comm_stats = self.comm.finish()
+        self._stepped = False
         if self.scaler.is_enabled():
-            scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)  # skipped when the gradients hold inf/NaN
             self.scaler.update()
-            self.count_skip(self.scaler.get_scale() < scale)  # the scale only shrinks after a skipped step
+            if not self._stepped:
+                self.comm.rollback()
+            self.count_skip(not self._stepped)
         else:
             self.check_finite(loss)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.guard.maybe_check(self.model, self.step + 1)
         return loss.detach(), units, comm_stats
 
     def check_finite(self, loss: torch.Tensor) -> None:
@@ -312,6 +353,9 @@ class Trainer:
         stop = self.time_to_target_s is not None and self.cfg.stop_at_target
         while self.epoch < self.cfg.epochs and not stop:
             phase = get_phase(self.phases, self.epoch)
+            # A phase has one image size: let cuDNN pick the fastest convolution algorithms for it (unless
+            # deterministic kernels were asked for).
+            torch.backends.cudnn.benchmark = not self.cfg.deterministic
             epoch_start = time.perf_counter()
             record = {"epoch": self.epoch, **self.train_epoch(phase, bar)}
             last = self.epoch + 1 == self.cfg.epochs
@@ -325,7 +369,7 @@ class Trainer:
                                                      if k.startswith("eval/") and k != "eval/loss"})
             self.elapsed_s = time.perf_counter() - self._clock
             record.update({"time/epoch_s": time.perf_counter() - epoch_start, "time/elapsed_s": self.elapsed_s,
-                           "train/skipped_steps": self.skipped_steps})
+                           "time/checkpoint_s": self.checkpoint_s, "train/skipped_steps": self.skipped_steps})
             record.update(self.task.stats())  # e.g. cache hits/misses per level, skipped images (this rank)
             if any(k.startswith("eval/") for k in record):
                 self.history.append({k: v for k, v in record.items()
@@ -335,6 +379,7 @@ class Trainer:
             if self.should_checkpoint_epoch(last or stop):
                 self.checkpoint()
         bar.close()
+        self.wait_for_checkpoints()
         return self.finish_summary()
 
     def should_evaluate(self, last: bool) -> bool:
@@ -349,7 +394,7 @@ class Trainer:
         peak, total, unit = self.optim_cfg.lr, float(self.cfg.epochs), self.task.unit
         units_seen, data_s, done = 0, 0.0, 0
         loss_sum = torch.zeros((), device=self.topo.device)  # summed on the device: no per-step host sync
-        window_start, window_units = time.perf_counter(), 0
+        window_start, window_units, window_data_s, window_steps = time.perf_counter(), 0, 0.0, 0
         epoch_start = time.perf_counter()
         batches = self.task.train_batches(phase, self.epoch, start) if start < steps else iter(())
         for i in range(start, steps):
@@ -357,7 +402,8 @@ class Trainer:
             batch = next(batches, None)
             if batch is None:
                 break
-            data_s += time.perf_counter() - fetch
+            waited = time.perf_counter() - fetch
+            data_s, window_data_s, window_steps = data_s + waited, window_data_s + waited, window_steps + 1
             lr = get_lr(self.epoch + i / steps, self.schedule, peak, total) * phase.lr_scale
             momentum = get_momentum(lr, peak, self.schedule, self.optim_cfg.momentum)
             set_lr_momentum(self.optimizer, lr, momentum)
@@ -373,9 +419,11 @@ class Trainer:
                 self.metrics.log("step", self.step, {
                     "epoch": self.epoch + i / steps, "loss/train": value, "schedule/lr": lr,
                     "schedule/momentum": momentum, f"time/{unit}_per_s": window_units / (now - window_start),
-                    "train/skipped_steps": self.skipped_steps, **{f"comm/{k}": v for k, v in comm_stats.items()}})
+                    "time/data_wait_s": window_data_s / max(1, window_steps),
+                    "train/skipped_steps": self.skipped_steps, **{f"comm/{k}": v for k, v in comm_stats.items()},
+                    **self.optimizer_metrics()})
                 bar.set_postfix(epoch=self.epoch, loss=f"{value:.3f}", lr=f"{lr:.3g}")
-                window_start, window_units = now, 0
+                window_start, window_units, window_data_s, window_steps = now, 0, 0.0, 0
             if self.should_checkpoint_step():
                 self.checkpoint()
         if hasattr(batches, "close"):
@@ -384,6 +432,11 @@ class Trainer:
         (units_seen,) = all_reduce_sum([units_seen], self.topo)
         return {"loss/train_epoch": float(loss_sum) / max(1, done), f"time/{unit}_per_s_epoch": units_seen / seconds,
                 "time/data_share": data_s / seconds}
+
+    def optimizer_metrics(self) -> dict[str, float]:
+        """The optimizer's own per-step scalars (e.g. FusedLARS's clipped trust ratios), read on log steps."""
+        read = getattr(self.optimizer, "step_metrics", None)
+        return {name: float(value) for name, value in read().items()} if read is not None else {}
 
     def print_plan(self, resumed_from: str | None) -> None:
         """Derived sizes, printed once on rank 0."""
@@ -406,7 +459,8 @@ class Trainer:
                    "time_to_target_s": self.time_to_target_s,
                    **{f"target_{name}": value for name, value in self.task.targets.items()},
                    **{f"final_{name}": final.get(f"eval/{name}") for name in self.task.targets},
-                   "final": final, "skipped_steps": self.skipped_steps, "world_size": self.topo.world_size,
+                   "final": final, "skipped_steps": self.skipped_steps, "checkpoint_s": self.checkpoint_s,
+                   "world_size": self.topo.world_size,
                    "history": self.history}
         self.metrics.summary(summary)
         return summary

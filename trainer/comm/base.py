@@ -29,7 +29,7 @@ from torch import nn
 from trainer.dist import CommTimeoutError, Topology
 
 __all__ = ["Bucket", "CommTimeoutError", "Communicator", "ExchangeCommunicator", "LocalCommunicator",
-           "make_buckets"]
+           "bind_thread_to_device", "make_buckets"]
 
 
 @dataclass
@@ -85,6 +85,8 @@ class Communicator:
         self.steps = 0
         """Completed exchanges (checkpointed: dense warm-up counts them)."""
         self.stats = _zero_stats()
+        self.grad_scale: torch.Tensor | None = None
+        """The loss scale this step's gradients are multiplied by (a 0-d tensor on the device), or None."""
         self._params = params
         self._hooks: list = []
         self.attach()
@@ -109,7 +111,20 @@ class Communicator:
         while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
             self._launch_next()
 
+    def set_grad_scale(self, scale: torch.Tensor | None) -> None:
+        """The loss scale of the coming backward (error feedback keeps its residuals unscaled); None = 1."""
+        self.grad_scale = scale
+
+    def begin_step(self) -> None:
+        """Called as the step's first bucket launches (the previous step is complete)."""
+
+    def rollback(self) -> None:
+        """Undo this step's effect on the communicator's state (the optimizer skipped the step). Call after
+        `finish()`, before the next backward. Stateless exchanges have nothing to undo."""
+
     def _launch_next(self) -> None:
+        if self._next == 0:
+            self.begin_step()
         bucket = self.buckets[self._next]
         self._next += 1
         if bucket.buffer is None:
@@ -186,12 +201,21 @@ class Communicator:
         raise NotImplementedError
 
 
+def bind_thread_to_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (CUDA's current device is per thread)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class ExchangeCommunicator(Communicator):
     """Runs `exchange(bucket) -> averaged flat gradient` for each bucket on one background thread, in order."""
 
     def __init__(self, model: nn.Module, topo: Topology, bucket_mb: float) -> None:
         super().__init__(model, topo, bucket_mb)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"comm-rank{topo.rank}")
+        # The thread is bound to this rank's GPU before it runs anything: otherwise its first CUDA call
+        # would create a context on device 0, once per rank of the node.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"comm-rank{topo.rank}",
+                                          initializer=bind_thread_to_device, initargs=(topo.device,))
         self._stream = torch.cuda.Stream(topo.device) if topo.device.type == "cuda" else None
 
     def launch(self, bucket: Bucket) -> None:
@@ -230,6 +254,12 @@ class LocalCommunicator(Communicator):
     def __init__(self, model: nn.Module, topo: Topology) -> None:  # noqa: D107 - no hooks needed
         self.topo = topo
         self.steps = 0
+
+    def set_grad_scale(self, scale: torch.Tensor | None) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
 
     def finish(self) -> dict[str, float]:
         self.steps += 1

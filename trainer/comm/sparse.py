@@ -18,9 +18,21 @@ Values and int32 indices travel in one fp32 payload (indices bit-cast), one coll
 Buckets below `dense_below` elements, and every bucket during the first `dense_warmup_steps` steps, are
 averaged by a dense allreduce instead (selection costs more than it saves on small tensors).
 
-Non-finite gradients (an fp16 overflow step that the loss scaler will skip) cannot be selected from: that
-rank sends NaN values, so every rank sees a non-finite gradient and skips the same step, and its residual
-keeps its previous value.
+Residuals are kept in unscaled units. Gradients arrive multiplied by the loss scale S of their step
+(`set_grad_scale`, a 0-d tensor on the device, read without a host sync); step 2 adds S * residual and the
+unsent remainder is stored divided by S, so a scale change between steps (the scaler halving after an
+overflow, doubling after its growth interval) never re-weights old residuals. S is a power of two, so both
+products are exact.
+
+Each bucket keeps two residual buffers: a step writes the new residual into the spare one and swaps them.
+`rollback()` swaps back every bucket this step updated, so a step the loss scaler skips leaves every
+residual exactly as it was before the step, on every rank. Non-finite gradients cannot be selected from:
+that rank sends NaN values, so every rank sees a non-finite gradient and skips the same step.
+
+The scatter-add of the gathered pairs is order-deterministic on every device: each rank's payload holds
+distinct indices, and the payloads are added one after the other in rank order, so no two additions race
+for one element (on CUDA a single `index_add_` over all payloads would sum colliding indices with atomics,
+in a different order on each node, and the replicas would drift apart).
 """
 
 from __future__ import annotations
@@ -44,10 +56,13 @@ def pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 def scatter_payloads(payloads: torch.Tensor, parts: int, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum `parts` concatenated payloads of (values, indices) into a dense vector of `size` elements (`out`,
-    zeroed first, when given)."""
+    zeroed first, when given). Payload by payload, in order: within one payload the indices are distinct, so
+    the result does not depend on the order in which a device applies the additions."""
     rows = payloads.view(parts, 2, -1)
     out = payloads.new_zeros(size) if out is None else out.zero_()
-    out.index_add_(0, rows[:, 1].contiguous().view(torch.int32).reshape(-1).long(), rows[:, 0].reshape(-1))
+    indices = rows[:, 1].contiguous().view(torch.int32).long()
+    for part in range(parts):
+        out.index_add_(0, indices[part], rows[part, 0])
     return out
 
 
@@ -60,7 +75,11 @@ class SparseAllgather(ExchangeCommunicator):
         self.density, self.dense_below, self.dense_warmup_steps = density, dense_below, dense_warmup_steps
         self.intra, self.inter, self.iters = intra, inter, selection_iters
         self.residuals: dict[int, torch.Tensor] = {}
-        """Error feedback per bucket index: the unsent part of this rank's shard of the node's gradient."""
+        """Error feedback per bucket index, unscaled: the unsent part of this rank's shard of the node's gradient."""
+        self._spare: dict[int, torch.Tensor | None] = {}
+        """Per bucket index, the buffer the next step writes its residual into (after a step: the previous one)."""
+        self._updated: list[tuple[int, torch.Tensor | None]] = []
+        """(bucket index, its residual before this step) for every bucket this step updated."""
         self._dense: dict[int, torch.Tensor] = {}
         """Per bucket index, the summed shard the allgathered pairs are scattered into (reused every step)."""
 
@@ -98,19 +117,26 @@ class SparseAllgather(ExchangeCommunicator):
             return shard
         size = shard.numel()
         residual = self.residuals.get(index)
-        acc = shard.float()  # this step's own buffer (the bucket's, or the reduce-scatter's result)
-        if residual is not None:
-            acc.add_(residual)
+        acc = self._spare.get(index)
+        if acc is None or acc.numel() != size:
+            acc = torch.empty(size, dtype=torch.float32, device=shard.device)
+        scale = self.grad_scale
+        if residual is None:
+            acc.copy_(shard)
+        elif scale is None:
+            torch.add(shard, residual, out=acc)
+        else:  # the residual is unscaled: bring it to this step's loss scale (a power of two: exact)
+            torch.addcmul(shard, residual, scale, out=acc)
         k = min(size, max(1, math.ceil(self.density * size)))
         start = time.perf_counter()
         try:
             values, indices = mstopk(acc, k, iters=self.iters)
             payload = pack(values, indices)  # before the fill below: values may be a view of acc
             acc.index_fill_(0, indices, 0.0)  # the unsent remainder becomes the new residual
-            if residual is None:
-                self.residuals[index] = acc.clone()
-            else:
-                residual.copy_(acc)  # in place: the buffers are reused next step, and a NaN step keeps it
+            if scale is not None:
+                acc.div_(scale)
+            self._updated.append((index, residual))
+            self.residuals[index], self._spare[index] = acc, residual
         except ValueError:
             if bool(torch.isfinite(acc).all()):
                 raise
@@ -124,6 +150,20 @@ class SparseAllgather(ExchangeCommunicator):
             out = self._dense[index] = gathered.new_empty(size)
         return scatter_payloads(gathered, self.inter.size, size, out)
 
+    def begin_step(self) -> None:
+        self._updated = []
+
+    def rollback(self) -> None:
+        """Undo this step's residual updates (a step the loss scaler skipped): every residual is again the one
+        from before the step, bit for bit. Call after `finish()` and before the next backward."""
+        for index, previous in reversed(self._updated):
+            self._spare[index] = self.residuals[index]
+            if previous is None:
+                del self.residuals[index]
+            else:
+                self.residuals[index] = previous
+        self._updated = []
+
     def state_dict(self) -> dict:
         # copies: the live residuals are updated in place by the next steps
         return {"steps": self.steps, "residuals": {i: r.to("cpu", copy=True) for i, r in self.residuals.items()}}
@@ -131,3 +171,4 @@ class SparseAllgather(ExchangeCommunicator):
     def load_state_dict(self, state: dict) -> None:
         self.steps = state["steps"]
         self.residuals = {int(i): r.to(self.topo.device) for i, r in state.get("residuals", {}).items()}
+        self._spare, self._updated = {}, []

@@ -1,0 +1,219 @@
+"""What a GPU cluster relies on, checked on CPU gloo ranks: error feedback under a changing loss scale and
+skipped steps, order-deterministic sparse sums, the replica-consistency guard, the exchange thread's device,
+and no host-blocking waits on NCCL."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import run_ranks
+from tests.test_comm import BUCKET_MB, Params, flat_in_bucket_order, grads_of, layout, residual_total
+from trainer.comm import CommConfig, build_communicator
+from trainer.comm import base as comm_base
+from trainer.comm.sparse import scatter_payloads
+from trainer.config import ConfigError
+from trainer.dist import (DistConfig, Group, ReplicaDivergenceError, ReplicaGuard, Topology, setup_distributed,
+                          weights_checksum)
+from trainer.loop import TrainConfig, Trainer
+from trainer.metrics import LogConfig
+from trainer.optim import OptimConfig
+from trainer.schedules import ScheduleConfig
+
+# ---------------------------------------------------------------- error feedback and the loss scale
+
+OVERFLOW_STEP, OVERFLOW_RANK = 3, 1
+
+
+class LinearTask:
+    """loss = sum(p * g) with integer-valued g = grads_of(rank, step): the gradient is exactly g times the
+    loss scale, so every sum below is exact and the identity can be checked bit for bit. At OVERFLOW_STEP one
+    element of OVERFLOW_RANK's gradient is inf (an fp16 overflow)."""
+
+    unit, targets = "items", {}
+
+    def __init__(self, model: Params, rank: int) -> None:
+        self.model, self.rank = model, rank
+
+    def loss(self, step: int) -> tuple[torch.Tensor, int]:
+        grads = grads_of(self.rank, step, integer=True)
+        if step == OVERFLOW_STEP and self.rank == OVERFLOW_RANK:
+            grads[2][7] = float("inf")
+        return sum((p * g).sum() for p, g in zip(self.model.ps, grads)), 1
+
+
+def _feedback_survives_scale_changes(rank: int, world: int, kind: str, per_node: int, tmp: str) -> None:
+    topo = setup_distributed(DistConfig(ranks_per_node=per_node))
+    model = Params()
+    comm = build_communicator(CommConfig(kind=kind, bucket_mb=BUCKET_MB, density=0.05, dense_below=20), model, topo)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    trainer = Trainer(TrainConfig(loss_scale="dynamic"), ScheduleConfig(), OptimConfig(), LogConfig(dir=tmp), topo,
+                      model, LinearTask(model, rank), optimizer, comm, None, {})
+    # The scale doubles after every good step and halves at the overflow: it changes at every step.
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    averaged: list[torch.Tensor] = []
+    finish = comm.finish
+
+    def finish_and_keep() -> dict:
+        stats = finish()
+        averaged.append(flat_in_bucket_order(comm, model, [p.grad.clone() for p in model.ps]))
+        return stats
+
+    comm.finish = finish_and_keep
+    local, _ = layout(kind, world, per_node)
+    before = residual_total(comm, world, local)
+    scales = []
+    for step in range(6):
+        scale = trainer.scaler.get_scale()
+        scales.append(scale)
+        mine_before = {i: r.clone() for i, r in comm.residuals.items()}
+        trainer.train_step(step)
+        after = residual_total(comm, world, local)
+        if step == OVERFLOW_STEP:  # skipped: every residual of every rank exactly as before the step
+            assert trainer.skipped_steps == 1
+            assert set(comm.residuals) == set(mine_before)
+            assert all(torch.equal(comm.residuals[i], r) for i, r in mine_before.items())
+            assert torch.equal(after, before)
+        else:  # in unscaled units: W * averaged / S + residuals' == sum of gradients + residuals, exactly
+            incoming = flat_in_bucket_order(comm, model, [sum(gs) for gs in zip(*(grads_of(r, step, True)
+                                                                                   for r in range(world)))])
+            assert torch.equal(averaged[-1] * world / scale + after, incoming + before), step
+            assert after.abs().sum() > 0
+        before = after
+    assert len(set(scales)) >= 4, scales  # the scale really moved (up, down at the skip, up again)
+
+
+@pytest.mark.parametrize("kind,world,per_node", [("topk", 2, 0), ("hitopk", 4, 2)])
+def test_error_feedback_is_exact_across_loss_scale_changes_and_skipped_steps(tmp_path, kind, world, per_node):
+    run_ranks(_feedback_survives_scale_changes, world, tmp_path, kind, per_node, str(tmp_path / "run"))
+
+
+# ---------------------------------------------------------------- deterministic sparse sums
+
+
+def test_sparse_sums_add_the_payloads_in_rank_order():
+    """Colliding indices whose float sum depends on the order: the result is the rank-order sum, bit for bit
+    (on CUDA a single index_add_ over all payloads would add them with atomics, in any order)."""
+    big, small = 2.0**25, 1.0  # big + small rounds to big in fp32; the order decides what survives
+    parts = [(torch.tensor([big, 3.0]), torch.tensor([4, 0])),
+             (torch.tensor([small, 5.0]), torch.tensor([4, 1])),
+             (torch.tensor([-big, 7.0]), torch.tensor([4, 2]))]
+    payloads = torch.cat([torch.cat([v, i.to(torch.int32).view(torch.float32)]) for v, i in parts])
+    out = scatter_payloads(payloads, 3, 6)
+    expected = torch.zeros(6)
+    for values, indices in parts:  # left to right, one payload at a time
+        for v, i in zip(values, indices):
+            expected[i] = (expected[i] + v).float()
+    assert torch.equal(out, expected)
+    assert out[4] == 0.0  # ((0 + 2^25) + 1) - 2^25 in fp32; (2^25 - 2^25) + 1, another order, gives 1.0
+    torch.use_deterministic_algorithms(True)  # no nondeterministic kernel on the path
+    try:
+        assert torch.equal(scatter_payloads(payloads, 3, 6), expected)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+# ---------------------------------------------------------------- the replica guard
+
+
+def _guard(rank: int, world: int) -> None:
+    topo = setup_distributed(DistConfig())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    guard = ReplicaGuard(5, topo)
+    guard.maybe_check(model, 5)  # equal replicas: passes
+    with torch.no_grad():
+        if rank == 2:  # one ulp on one weight of one rank
+            w = model[1].weight
+            w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(1.0))
+    guard.maybe_check(model, 7)  # not due: no collective, no error
+    with pytest.raises(ReplicaDivergenceError, match=r"step 10: .*rank 2's weights are not bitwise equal to rank "
+                                                      r"0's \(diverged ranks: \[2\]\)"):
+        guard.maybe_check(model, 10)
+
+
+def test_the_replica_guard_names_the_first_diverged_rank(tmp_path):
+    run_ranks(_guard, 3, tmp_path)
+
+
+def test_weights_checksum_sees_one_bit_and_a_swap():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    base = weights_checksum(model)
+    assert base.dtype == torch.int64 and base.dim() == 0
+    with torch.no_grad():
+        model[0].weight.view(-1).view(torch.int32)[3] ^= 1  # the lowest mantissa bit
+    assert weights_checksum(model) != base
+    twin = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    with torch.no_grad():  # the same tensors, in the other order
+        twin[0].weight.copy_(model[1].weight), twin[1].weight.copy_(model[0].weight)
+        twin[0].bias.copy_(model[1].bias), twin[1].bias.copy_(model[0].bias)
+    assert weights_checksum(twin) != weights_checksum(model)
+
+
+def test_the_replica_guard_is_off_on_one_process_and_when_disabled():
+    topo = Topology()
+    assert not ReplicaGuard(1, topo).should_check(1)
+    assert not ReplicaGuard(0, Topology(world_size=2)).should_check(500)
+    assert ReplicaGuard(500, Topology(world_size=2)).should_check(1000)
+    with pytest.raises(ConfigError, match=r"dist.check_every_steps: must be >= 0, got -1"):
+        DistConfig(check_every_steps=-1)
+
+
+# ---------------------------------------------------------------- the exchange thread's device
+
+
+def test_the_exchange_thread_is_bound_to_its_ranks_gpu(monkeypatch):
+    """CUDA's current device is per thread: the comm thread must set it before its first CUDA call."""
+    bound: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append((threading.current_thread().name, d)))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())
+    topo = Topology(rank=3, world_size=4, local_rank=3, ranks_per_node=4, device=torch.device("cuda", 3))
+    comm = comm_base.ExchangeCommunicator(nn.Linear(4, 4), topo, bucket_mb=1.0)
+    try:
+        comm._thread.submit(lambda: None).result()
+    finally:
+        comm._thread.shutdown()
+        comm.detach()
+    assert bound == [("comm-rank3_0", torch.device("cuda", 3))]
+
+
+# ---------------------------------------------------------------- waits on NCCL
+
+
+class RecordingWork:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def wait(self, *args) -> bool:
+        self.calls.append(args)
+        return True
+
+
+def _waits(rank: int, world: int) -> None:
+    import datetime
+
+    import trainer.dist as tdist
+    setup_distributed(DistConfig(timeout_s=30))
+    timeout = datetime.timedelta(seconds=30)
+    group = Group(None, rank, timeout)
+    assert group.host_wait  # gloo: a bounded host wait
+    work = RecordingWork()
+    group.wait(work, "x")
+    assert work.calls == [(timeout,)]
+    real = tdist.dist.get_backend
+    tdist.dist.get_backend = lambda pg=None: "nccl"  # a group over an NCCL process group
+    try:
+        group = Group(None, rank, timeout)
+    finally:
+        tdist.dist.get_backend = real
+    work = RecordingWork()
+    group.wait(work, "x")
+    assert work.calls == [()]  # stream-ordered: no timeout, so no host sync per bucket
+
+
+def test_nccl_waits_do_not_block_the_host(tmp_path):
+    run_ranks(_waits, 2, tmp_path)
