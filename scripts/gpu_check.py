@@ -1,179 +1,892 @@
-"""Checks every GPU path of the repository on a CUDA machine, unattended, ending in one table.
+"""Checks every GPU path of the repository on a CUDA machine, unattended, and ends in one table.
 
-    PYTHON=python3 scripts/gpu_check.sh [--only NAME ...] [--device cuda]
+    scripts/gpu_check.sh [--device auto|cuda|cpu] [--only NAME ...] [--budget-s 450] [--timeout-s S]
 
-Each check is a function registered with @check(name) that returns rows (check, result, detail)
-with result PASS or FAIL, and raises Skip(reason) when what it needs is absent (no CUDA, no Triton,
-no DALI). An exception in a check becomes a FAIL row and the other checks still run. The exit status
-is 1 if any row failed. The whole script must finish in under 8 minutes on one H200; a new GPU path
-adds its check here. `--device cpu` runs the checks that allow it on the CPU paths, as a dry run of
-this script on a machine without a GPU.
+Each check runs in its own subprocess (`python -m scripts.gpu_check --run-one NAME`) under a timeout and
+gives rows (check, result, detail) with result PASS, FAIL or SKIP. SKIP says why a path could not run: no
+CUDA, an optional package absent (DALI, torchvision, Triton), or one GPU where the path needs two. FAIL is
+a wrong result, an exception, a crash or a timeout; the other checks still run. The table goes to stdout,
+ending in one JSON line: {"bench": "gpu_check", "rows": [...], "pass": n, "fail": n, "skip": n,
+"machine": {...}}; what the checks print goes to stderr. The exit status is 1 if any row failed.
+
+With `--device cpu`, or `auto` where torch sees no CUDA, it is a dry run of the same checks on the CPU
+paths at tiny sizes (seconds each). On one H200 the whole run must end within 8 minutes: `--budget-s`
+bounds it, and a check that cannot start in the time left is a FAIL. A new GPU path adds its check here.
+
+The checks: preflight (versions, compute capability against torch's arch list), mstopk (Triton MSTopK
+against torch.topk and the reference at the communicator's sizes, from a worker thread on a side stream,
+host syncs), communicators (dense / topk / hitopk over NCCL on the GPUs present), FusedLARS (against the
+per-tensor loop on ResNet-50's 161 tensors), train resnet50 and train transformer (training steps on
+synthetic data through the trainer's own step), DALI mixed decode.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import contextlib
+import importlib
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
-from typing import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
-import torch
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ("PASS", "FAIL", "SKIP")
 
-from scripts.bench.common import print_table
 
-Row = tuple[str, str, str]
-CHECKS: list[tuple[str, Callable[[torch.device], list[Row]]]] = []
+@dataclass
+class Row:
+    check: str
+    result: str
+    """PASS, FAIL or SKIP."""
+    detail: str
+    values: dict[str, Any] = field(default_factory=dict)
+    """The row's measurements, for the JSON line (images/s, recall, milliseconds...)."""
 
 
 class Skip(Exception):
-    """Raised by a check whose dependency is absent; the message says which."""
+    """Raised by a check that cannot run here; the message says why."""
 
 
-def check(name: str) -> Callable[[Callable[[torch.device], list[Row]]],
-                                 Callable[[torch.device], list[Row]]]:
-    def register(fn: Callable[[torch.device], list[Row]]) -> Callable[[torch.device], list[Row]]:
-        CHECKS.append((name, fn))
+@dataclass
+class Check:
+    name: str
+    fn: Callable[[Any], list[Row]]
+    timeout_s: float
+    """Seconds the check's subprocess may run on a GPU (a CPU dry run gets the same)."""
+    requires: tuple[str, ...] = ()
+    """Optional modules the check needs on every device."""
+    requires_on: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Optional modules it needs on one device only, e.g. {"cuda": ("triton",)}."""
+    hidden: bool = False
+    """Run only when named with --only."""
+    light: bool = False
+    """The check imports no torch: its function gets the device's name, not a torch.device."""
+
+
+CHECKS: dict[str, Check] = {}
+MACHINE: dict[str, Any] = {}
+"""Facts about the machine, filled by the preflight check and carried to the JSON line."""
+
+
+def check(name: str, timeout_s: float, requires: tuple[str, ...] = (),
+          requires_on: dict[str, tuple[str, ...]] | None = None, hidden: bool = False,
+          light: bool = False) -> Callable[[Callable[[Any], list[Row]]], Callable[[Any], list[Row]]]:
+    def register(fn: Callable[[Any], list[Row]]) -> Callable[[Any], list[Row]]:
+        CHECKS[name] = Check(name, fn, timeout_s, requires, requires_on or {}, hidden, light)
         return fn
     return register
-
-
-def require_cuda(device: torch.device) -> None:
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise Skip("no CUDA device (torch.cuda.is_available() is False)")
-
-
-def require_module(name: str) -> None:
-    if importlib.util.find_spec(name) is None:
-        raise Skip(f"{name} is not installed")
 
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
-# ---------------------------------------------------------------- kernels (issue "Kernels")
+def missing_module(name: str) -> str | None:
+    """Why `name` cannot be imported when it (or a package above it) is not installed; None when it imports.
+
+    An import that fails for another reason (a broken install, a missing shared library) raises: that
+    is a FAIL of the check, not a SKIP."""
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        absent = err.name or ""
+        if absent and (name == absent or name.startswith(absent + ".")):
+            return f"{name} is not installed in this Python ({err})"
+        raise
+    return None
 
 
-@check("mstopk")
-def check_mstopk(device: torch.device) -> list[Row]:
-    """mstopk (Triton on CUDA) vs the torch reference and exact top-k, on fresh random inputs."""
-    require_cuda(device)
+def require_device(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise Skip("no CUDA device (torch.cuda.is_available() is False)")
+
+
+# ---------------------------------------------------------------- shared helpers (run inside a check)
+
+
+def sync(device: Any) -> None:
+    import torch
+
     if device.type == "cuda":
-        require_module("triton")
-    from kernels import mstopk, mstopk_reference
-    from scripts.bench.topk import RESNET50_PARAMS, gradient_like
+        torch.cuda.synchronize(device)
 
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+
+def median_ms(fn: Callable[[], Any], device: Any, repeats: int, warmup: int = 1) -> float:
+    import statistics
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+@contextlib.contextmanager
+def count_host_syncs(device: Any):
+    """Counts the host syncs of the body with torch.cuda.set_sync_debug_mode("warn") (CUDA only; the list
+    stays empty on the CPU). Yields the list of caught sync warnings, complete after the body."""
+    import warnings
+
+    import torch
+
+    caught: list = []
+    if device.type != "cuda":
+        yield caught
+        return
+    sync(device)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+            sync(device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    caught += [w for w in records if "synchroniz" in str(w.message)]
+
+
+def gradient_like(n: int, device: Any, seed: int) -> Any:
+    """Heavy-tailed like real gradients: a normal scaled by a log-normal, made on the CPU (the same values on
+    every device)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=gen) * torch.randn(n, generator=gen).exp()).to(device)
+
+
+def resnet50_shapes(width: int = 64, num_classes: int = 1000) -> list[tuple[int, ...]]:
+    """The parameter shapes of torchvision's ResNet-50 in registration order (161 tensors, 25,557,032
+    elements at width 64); `width` scales every stage's channels (the CPU dry run's smaller copy)."""
+    shapes: list[tuple[int, ...]] = [(width, 3, 7, 7), (width,), (width,)]
+    in_ch = width
+    for stage, blocks in enumerate((3, 4, 6, 3)):
+        planes = width * 2 ** stage
+        for block in range(blocks):
+            shapes += [(planes, in_ch, 1, 1), (planes,), (planes,), (planes, planes, 3, 3), (planes,), (planes,),
+                       (planes * 4, planes, 1, 1), (planes * 4,), (planes * 4,)]
+            if block == 0:
+                shapes += [(planes * 4, in_ch, 1, 1), (planes * 4,), (planes * 4,)]
+            in_ch = planes * 4
+    return shapes + [(num_classes, in_ch), (num_classes,)]
+
+
+def parameters_module(shapes: list[tuple[int, ...]], device: Any) -> Any:
+    """A module whose parameters have `shapes` (no forward: the communicator check makes the loss)."""
+    import torch
+    from torch import nn
+
+    module = nn.Module()
+    module.weights = nn.ParameterList([nn.Parameter(torch.zeros(s, device=device)) for s in shapes])
+    return module
+
+
+@contextlib.contextmanager
+def one_rank_world(device: Any):
+    """A 1-rank process group (NCCL on CUDA, gloo on the CPU) and its Topology with `world` set, so the
+    communicators run their real collectives. build_communicator returns the no-op LocalCommunicator for
+    one process, so the caller constructs the communicator classes itself."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from trainer.dist import Group, Topology
+
+    cuda = device.type == "cuda"
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(f"{tmp}/store", 1), rank=0,
+                                world_size=1, device_id=device if cuda else None)
+        try:
+            topo = Topology(rank=0, world_size=1, local_rank=0, ranks_per_node=1, device=device,
+                            backend="nccl" if cuda else "gloo")
+            topo.world = Group(None, 0, datetime.timedelta(seconds=120))
+            yield topo
+        finally:
+            dist.destroy_process_group()
+
+
+def one_rank_communicator(kind: str, model: Any, topo: Any, bucket_mb: float, density: float,
+                          dense_below: int = 16384) -> Any:
+    """`kind` over a 1-rank world: dense; topk (this rank's own top-k, allgathered among 1); hitopk (the one
+    rank is a node of its own: dense reduce-scatter and allgather, nothing selected)."""
+    from trainer.comm.dense import DenseAllreduce
+    from trainer.comm.sparse import SparseAllgather
+
+    if kind == "dense":
+        return DenseAllreduce(model, topo, bucket_mb)
+    intra, inter = (None, topo.world) if kind == "topk" else (topo.world, None)
+    return SparseAllgather(model=model, topo=topo, bucket_mb=bucket_mb, density=density, dense_below=dense_below,
+                           dense_warmup_steps=0, intra=intra, inter=inter)
+
+
+# ---------------------------------------------------------------- preflight
+
+
+def _driver_version() -> str:
+    try:
+        first = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
+        return next((w for w in first.split() if w.count(".") >= 1 and w.replace(".", "").isdigit()), first)
+    except (OSError, IndexError):
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.split("\n")[0].strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _package_version(name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def arch_support(capability: tuple[int, int], arch_list: list[str]) -> str | None:
+    """How torch's build runs on a GPU of `capability`: its own sm_XY binary, a binary of the same major
+    with a lower minor (binary compatible), or PTX of a lower capability (JIT-compiled); None = it cannot."""
+    major, minor = capability
+    best = None
+    for arch in arch_list:
+        kind, _, digits = arch.partition("_")
+        digits = digits.rstrip("af")
+        if not digits.isdigit() or len(digits) < 2:
+            continue
+        a_major, a_minor = int(digits[:-1]), int(digits[-1])
+        if kind == "sm" and (a_major, a_minor) == (major, minor):
+            return f"its own binary ({arch})"
+        if kind == "sm" and a_major == major and a_minor < minor and not arch.endswith(("a", "f")):
+            best = best or f"the {arch} binary (same major)"
+        if kind == "compute" and (a_major, a_minor) <= (major, minor):
+            best = best or f"PTX {arch}, JIT-compiled at first use"
+    return best
+
+
+@check("preflight", timeout_s=90)
+def check_preflight(device: Any) -> list[Row]:
+    """Versions of everything the GPU paths use; each GPU's compute capability against torch's arch list,
+    and a kernel run on it."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    MACHINE["device"] = device.type
+    nccl = "absent"
+    with contextlib.suppress(Exception):
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "cuda": torch.version.cuda or "none", "cudnn": str(torch.backends.cudnn.version() or "none"),
+                "nccl": nccl, "driver": _driver_version() if cuda else "none",
+                "triton": _package_version("triton"), "torchvision": _package_version("torchvision"),
+                "dali": _package_version("nvidia-dali-cuda130") if _package_version("nvidia-dali-cuda130") != "absent"
+                else _package_version("nvidia-dali-cuda120"), "onnxruntime": _package_version("onnxruntime")}
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
+    MACHINE.update(versions, cuda_available=cuda, gpus=gpus, arch_list=torch.cuda.get_arch_list() if cuda else [])
+    rows = [Row("preflight versions", "PASS", ", ".join(f"{k} {v}" for k, v in versions.items()), versions)]
+    if device.type != "cuda" or not cuda:
+        reason = "no CUDA device (torch.cuda.is_available() is False)" if not cuda else "--device cpu (dry run)"
+        return rows + [Row("compute capability", "SKIP", reason)]
+    arch_list = torch.cuda.get_arch_list()
+    for i, name in enumerate(gpus):
+        cap = torch.cuda.get_device_capability(i)
+        how = arch_support(cap, arch_list)
+        MACHINE.setdefault("capability", []).append(f"sm_{cap[0]}{cap[1]}")
+        ran = False
+        if how is not None:
+            ran = float((torch.ones(1024, device=f"cuda:{i}") * 2).sum()) == 2048.0
+        detail = (f"GPU {i} {name}: sm_{cap[0]}{cap[1]}, torch arch list {' '.join(arch_list)}: "
+                  + (f"runs {how}; a kernel ran {'correctly' if ran else 'WRONG'}" if how
+                     else "no binary or PTX for it: torch cannot run kernels on this GPU"))
+        rows.append(Row("compute capability", verdict(how is not None and ran), detail,
+                        {"gpu": i, "capability": f"sm_{cap[0]}{cap[1]}"}))
+    return rows
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@check("mstopk", timeout_s=150, requires_on={"cuda": ("triton",)})
+def check_mstopk(device: Any) -> list[Row]:
+    """kernels.mstopk (Triton on CUDA) at the communicator's sizes against torch.topk and mstopk_reference:
+    exactly k distinct indices, recall, time; the same call from a worker thread on a side CUDA stream, as
+    the communicator makes it; the host syncs of one call; the guards."""
+    import torch
+
+    from kernels import mstopk, mstopk_reference
+
+    require_device(device)
+    gpu = device.type == "cuda"
+    # the hitopk shard of a 25 MB bucket at density 1% (3.2 M, 32 k) and all of ResNet-50 at 0.1%
+    sizes = [(3_200_000, 32_000), (25_600_000, 25_600)] if gpu else [(100_000, 1_000), (400_000, 400)]
+    repeats = 5 if gpu else 2
     rows = []
-    for n in (10_000, 1_000_000, RESNET50_PARAMS):
-        x = gradient_like(n, str(device), seed)
-        worst_recall, worst_same, exact_k = 1.0, 1.0, True
-        for density in (0.001, 0.01, 0.1):
-            k = max(1, int(n * density))
-            values, indices = mstopk(x, k)
-            exact_k &= indices.numel() == k and indices.unique().numel() == k
-            exact_k &= bool(torch.equal(values, x[indices]))
-            expected = torch.topk(x.abs(), k).indices
-            worst_recall = min(worst_recall, torch.isin(indices, expected).sum().item() / k)
-            reference = mstopk_reference(x, k)[1]
-            worst_same = min(worst_same, torch.isin(indices, reference).sum().item() / k)
-        ok = exact_k and worst_recall >= 0.99 and worst_same >= 0.999
-        rows.append(("mstopk", verdict(ok), f"n={n:,} seed={seed} k=0.1/1/10%: exact k {exact_k}, "
-                     f"min recall {worst_recall:.4f}, min same-as-reference {worst_same:.4f}"))
+    for seed, (n, k) in enumerate(sizes):
+        x = gradient_like(n, device, seed)
+        values, indices = mstopk(x, k)
+        exact_k = (indices.numel() == k and indices.unique().numel() == k
+                   and bool(torch.equal(values, x[indices])))
+        expected = torch.topk(x.abs(), k).indices
+        recall = torch.isin(indices, expected).sum().item() / k
+        same = torch.isin(indices, mstopk_reference(x, k)[1]).sum().item() / k
+        ms = median_ms(lambda: mstopk(x, k), device, repeats)
+        topk_ms = median_ms(lambda: torch.topk(x.abs(), k), device, repeats)
+        ok = exact_k and recall >= 0.99 and same >= 0.999
+        rows.append(Row(f"mstopk n={n / 1e6:g}M k={k:,}", verdict(ok),
+                        f"exactly k distinct {exact_k}; recall vs torch.topk {recall:.4f} (>= 0.99), same as "
+                        f"mstopk_reference {same:.4f} (>= 0.999); {ms:.2f} ms vs torch.topk {topk_ms:.2f} ms",
+                        {"n": n, "k": k, "recall": recall, "same_as_reference": same, "ms": ms,
+                         "topk_ms": topk_ms}))
+    rows.append(_mstopk_side_stream(device, *sizes[-1], mstopk))
+    rows.append(_mstopk_host_syncs(device, *sizes[-1], mstopk))
     rows.append(_mstopk_guards(device, mstopk, mstopk_reference))
     return rows
 
 
-def _mstopk_guards(device: torch.device, mstopk: Callable, reference: Callable) -> Row:
-    from scripts.bench.topk import gradient_like
+def _mstopk_side_stream(device: Any, n: int, k: int, mstopk: Callable) -> Row:
+    """As ExchangeCommunicator calls it: on its worker thread, on a side stream that waits for an event
+    recorded after the kernels producing the input. The input is produced behind a 50 ms GPU sleep, so a
+    missing wait would read it before it is written."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    x = gradient_like(100_000, str(device), seed=1)
+    import torch
+
+    x = gradient_like(n, device, seed=7)
+    expected = mstopk(x, k)
+    gpu = device.type == "cuda"
+    side = torch.cuda.Stream(device) if gpu else None
+
+    def on_worker(t: Any, ready: Any) -> tuple:
+        if not gpu:
+            return mstopk(t, k), None
+        torch.cuda.set_device(device)
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            out = mstopk(t, k)
+            done = torch.cuda.Event()
+            done.record()
+        return out, done
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        ready = None
+        if gpu:
+            torch.cuda._sleep(100_000_000)  # ~50 ms of GPU cycles on the default stream before x is produced
+        produced = x * 1.0
+        if gpu:
+            ready = torch.cuda.Event()
+            ready.record()
+            produced.record_stream(side)
+        (values, indices), done = pool.submit(on_worker, produced, ready).result()
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+    same = bool(torch.equal(values, expected[0]) and torch.equal(indices, expected[1]))
+    where = "a worker thread on a side CUDA stream, input produced behind a GPU sleep" if gpu else "a worker thread"
+    return Row("mstopk worker thread", verdict(same),
+               f"n={n:,} k={k:,} from {where}: result {'equal to' if same else 'DIFFERS from'} the main thread's")
+
+
+def _mstopk_host_syncs(device: Any, n: int, k: int, mstopk: Callable) -> Row:
+    if device.type != "cuda":
+        return Row("mstopk host syncs", "SKIP", "torch.cuda.set_sync_debug_mode counts CUDA syncs only")
+    x = gradient_like(n, device, seed=8)
+    mstopk(x, k)  # compiled and warm
+    with count_host_syncs(device) as syncs:
+        mstopk(x, k)
+    where = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+    return Row("mstopk host syncs", "PASS", f"one call, n={n:,} k={k:,}: {len(syncs)} host sync(s) "
+               f"(torch.cuda.set_sync_debug_mode){' at ' + ', '.join(where) if where else ''}",
+               {"host_syncs": len(syncs)})
+
+
+def _mstopk_guards(device: Any, mstopk: Callable, reference: Callable) -> Row:
+    import torch
+
+    x = gradient_like(100_000, device, seed=1)
     cases = {"all zero": (torch.zeros(50_000, device=device), 100),
              "ties at max": (torch.tensor([1.0, -5.0, 0.5, 5.0, 5.0], device=device), 2),
-             "fallback": (x, 60_000), "float16": (x.half(), 1_000),
-             "bfloat16": (x.bfloat16(), 1_000)}
+             "fallback": (x, 60_000), "float16": (x.half(), 1_000), "bfloat16": (x.bfloat16(), 1_000)}
     failed = [name for name, (t, k) in cases.items()
               if not all(torch.equal(a, b) for a, b in zip(mstopk(t, k), reference(t, k)))]
-    try:
-        mstopk(torch.tensor([1.0, float("nan")], device=device), 1)
-        failed.append("NaN accepted")
+    try:  # the CPU path raises; the CUDA path may instead return k NaN values at indices 0..k-1 (no host sync)
+        values, indices = mstopk(torch.tensor([1.0, float("nan"), 2.0], device=device), 2)
+        if device.type != "cuda" or not (bool(values.isnan().all()) and indices.tolist() == [0, 1]):
+            failed.append(f"NaN input gave {values.tolist()} at {indices.tolist()}")
     except ValueError as err:
         if "NaN or inf" not in str(err):
             failed.append(f"NaN message: {err}")
-    detail = f"{', '.join(cases)}, NaN error: " + ("same as reference" if not failed
-                                                    else f"differ: {', '.join(failed)}")
-    return ("mstopk guards", verdict(not failed), detail)
+    detail = f"{', '.join(cases)}, NaN input: " + ("as documented" if not failed else f"wrong: {', '.join(failed)}")
+    return Row("mstopk guards", verdict(not failed), detail)
 
 
-@check("FusedLARS")
-def check_lars(device: torch.device) -> list[Row]:
-    """FusedLARS vs the per-tensor loop over 10 steps, every option combination, float64."""
-    require_cuda(device)
-    require_module("torchvision")  # scripts.bench.optim, home of the loop, builds ResNet-50
+# ---------------------------------------------------------------- communicators
+
+
+def _comm_step(model: Any, comm: Any, grads: list, delay: bool = False) -> list:
+    """loss = sum(p * g) makes every gradient exactly g; backward launches the buckets from the hooks."""
+    import torch
+
+    params = list(model.parameters())
+    model.zero_grad(set_to_none=True)
+    loss = sum((p * g).sum() for p, g in zip(params, grads))
+    if delay:  # the gradients and the buckets' buffers are produced behind ~50 ms of GPU sleep
+        torch.cuda._sleep(100_000_000)
+    loss.backward()
+    comm.finish()
+    return [p.grad.clone() for p in params]
+
+
+def _flat(tensors: list) -> Any:
+    import torch
+
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _mass_conserved(comm: Any, model: Any, grads: list, world: int) -> bool | None:
+    """After a sparse step: world x averaged + every rank's residuals == the sum of every rank's gradients
+    (error feedback loses nothing). None when nothing was selected (no residuals)."""
+    import torch
+    import torch.distributed as dist
+
+    residuals = getattr(comm, "residuals", None)
+    if not residuals:  # the same on every rank: residuals exist where the configuration selects
+        return None
+    index_of = {id(p): i for i, p in enumerate(model.parameters())}
+    local = comm.local_size
+    shard_rank = comm.intra.rank if comm.intra is not None else 0
+    sent, incoming, left = [], [], []
+    for b in comm.buckets:
+        sent.append(_flat([p.grad for p in b.params]) * world)
+        incoming.append(_flat([grads[index_of[id(p)]] for p in b.params]))
+        full = torch.zeros(-(-b.numel // local) * local, device=comm.topo.device)
+        if b.index in residuals:
+            shard = full.numel() // local
+            full[shard_rank * shard:(shard_rank + 1) * shard] = residuals[b.index]
+        left.append(full[:b.numel])
+    incoming, left = _flat(incoming), _flat(left)
+    if dist.is_initialized() and world > 1:
+        dist.all_reduce(incoming)
+        dist.all_reduce(left)
+    return bool(torch.allclose(_flat(sent) + left, incoming, rtol=1e-4, atol=1e-3))
+
+
+def _comm_rank(rank: int, world: int, store: str, device_type: str, results: Any) -> None:
+    """One rank of the communicator check (also the only one, in-process, on a 1-GPU machine)."""
+    import datetime
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from trainer.comm import CommConfig, build_communicator
+    from trainer.dist import Group, Topology, node_layout
+
+    try:
+        gpu = device_type == "cuda"
+        device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+        if gpu:
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(1)
+        backend = "nccl" if gpu else "gloo"
+        timeout = datetime.timedelta(seconds=120)
+        if world > 1:
+            dist.init_process_group(backend, store=dist.FileStore(store, world), rank=rank, world_size=world,
+                                    timeout=timeout, device_id=device if gpu else None)
+        # 4+ ranks: 2 emulated nodes, so hitopk is hierarchical; fewer: one rank per node (hitopk = topk)
+        per_node = world // 2 if world >= 4 and world % 2 == 0 else 1
+        shapes = resnet50_shapes() if gpu else resnet50_shapes(width=8, num_classes=10)
+        bucket_mb = 25.0 if gpu else 0.5
+        gen = torch.Generator().manual_seed(rank)
+        integer = [torch.randint(-8, 9, s, generator=gen).float().to(device) for s in shapes]
+        real = [torch.randn(s, generator=gen).to(device) for s in shapes]
+        model = parameters_module(shapes, device)
+
+        def build(kind: str, density: float, topo: Any) -> Any:
+            if world == 1:
+                return one_rank_communicator(kind, model, topo, bucket_mb, density)
+            return build_communicator(CommConfig(kind=kind, bucket_mb=bucket_mb, density=density), model, topo)
+
+        with contextlib.ExitStack() as stack:
+            if world == 1:
+                topo = stack.enter_context(one_rank_world(device))
+            else:
+                topo = Topology(rank=rank, world_size=world, local_rank=rank % per_node, ranks_per_node=per_node,
+                                device=device, backend=backend)
+                topo.world = Group(None, rank, timeout)
+                if 1 < per_node < world:
+                    nodes, peers = node_layout(world, per_node)
+                    intra, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend=backend)
+                    inter, _ = dist.new_subgroups_by_enumeration(peers, timeout=timeout, backend=backend)
+                    topo.intra_node, topo.inter_node = Group(intra, rank, timeout), Group(inter, rank, timeout)
+                else:
+                    topo.inter_node = topo.world
+            out: dict[str, dict] = {}
+            dense = None
+            for kind in ("dense", "topk", "hitopk"):
+                comm = build(kind, 1.0, topo)
+                got = _comm_step(model, comm, integer)
+                comm.detach()
+                dense = dense or got
+                exact = all(torch.equal(a, b) for a, b in zip(got, dense))
+                comm = build(kind, 0.01, topo)
+                averaged = _comm_step(model, comm, real)
+                conserved = _mass_conserved(comm, model, real, world)
+                finite = bool(torch.isfinite(_flat(averaged)).all())
+                times = []
+                for _ in range(5 if gpu else 2):
+                    sync(device)
+                    start = time.perf_counter()
+                    _comm_step(model, comm, real)
+                    sync(device)
+                    times.append(time.perf_counter() - start)
+                comm.detach()
+                delayed_same = None
+                if gpu:  # the same first step, its gradients produced behind a GPU sleep: bitwise the same
+                    first = build(kind, 0.01, topo)
+                    plain = _comm_step(model, first, real)
+                    first.detach()
+                    second = build(kind, 0.01, topo)
+                    late = _comm_step(model, second, real, delay=True)
+                    second.detach()
+                    delayed_same = all(torch.equal(a, b) for a, b in zip(plain, late))
+                out[kind] = {"exact": exact, "conserved": conserved, "finite": finite, "delayed_same": delayed_same,
+                             "ms": statistics.median(times) * 1e3, "buckets": len(comm.buckets)}
+            if world > 1:
+                dist.barrier()
+        if rank == 0:
+            results.put({"ok": out, "layout": f"{world // per_node} node(s) x {per_node} rank(s)",
+                         "elements": sum(int(torch.Size(s).numel()) for s in shapes)})
+    except BaseException:  # noqa: BLE001 - reported to the check with the rank
+        results.put({"error": f"rank {rank}: {traceback.format_exc()}"})
+        raise
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@check("communicators", timeout_s=180)
+def check_communicators(device: Any) -> list[Row]:
+    """dense / topk / hitopk with one rank per GPU (NCCL; 2 gloo ranks on the CPU dry run) on ResNet-50's
+    tensors: density 1.0 equals dense bitwise, density 0.01 conserves the gradient mass (error feedback),
+    a step whose gradients come behind a GPU sleep is bitwise the same, time per step. With one GPU the
+    1-rank world runs and the multi-rank paths are a SKIP row."""
+    import queue
+
+    import torch
+    import torch.multiprocessing as mp
+
+    require_device(device)
+    gpu = device.type == "cuda"
+    world = torch.cuda.device_count() if gpu else 2
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue() if world > 1 else queue.SimpleQueue()
+    if world == 1:
+        _comm_rank(0, 1, "", device.type, results)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = [ctx.Process(target=_comm_rank, args=(r, world, os.path.join(tmp, "store"), device.type, results))
+                     for r in range(world)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(150)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+    reports = []
+    while not results.empty():
+        reports.append(results.get())
+    errors = [r["error"] for r in reports if "error" in r]
+    if errors or not reports:
+        raise RuntimeError(errors[0] if errors else "no rank reported (killed, or timed out after 150 s)")
+    report = reports[0]
+    backend = (f"NCCL, {world} GPU(s)" if gpu else f"gloo, {world} CPU ranks") + f", {report['layout']}"
+    rows = []
+    for kind, r in report["ok"].items():
+        ok = r["exact"] and r["conserved"] is not False and r["finite"] and r["delayed_same"] is not False
+        conserved = "n/a (nothing selected)" if r["conserved"] is None else r["conserved"]
+        delayed = "n/a (no CUDA streams)" if r["delayed_same"] is None else r["delayed_same"]
+        rows.append(Row(f"comm {kind}", verdict(ok),
+                        f"{backend}, {report['elements'] / 1e6:.1f} M elements in {r['buckets']} buckets: density "
+                        f"1.0 == dense bitwise {r['exact']}; density 0.01 mass conserved {conserved}; gradients "
+                        f"behind a GPU sleep give the same result {delayed}; {r['ms']:.1f} ms/step",
+                        {"world": world, "ms": r["ms"]}))
+    if gpu and world < 2:
+        rows.append(Row("comm multi-rank", "SKIP",
+                        f"needs >= 2 GPUs ({world} present): allreduce, allgather and reduce-scatter between "
+                        "ranks, the sparse exchange between nodes and hitopk's hierarchy did not run (the rows "
+                        "above are a 1-rank world)"))
+    return rows
+
+
+# ---------------------------------------------------------------- FusedLARS
+
+
+def loop_lars(params: Any, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+              trust_coefficient: float = 0.001, eps: float = 1e-8, nesterov: bool = False, trust_clip: bool = False,
+              min_trust_ratio: float = 0.0, max_trust_ratio: float | None = None) -> Any:
+    """The update of kernels.FusedLARS as its docstring writes it, one tensor at a time in Python: the
+    reference the FusedLARS check compares with."""
+    import torch
+
+    class LoopLARS(torch.optim.Optimizer):
+        @torch.no_grad()
+        def step(self) -> None:
+            for group in self.param_groups:
+                lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+                for p in (p for p in group["params"] if p.grad is not None):
+                    d = p.grad
+                    if not group["lars_exclude"]:
+                        w_norm, g_norm = p.norm(), d.norm()
+                        ratio = group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm + group["eps"])
+                        ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, torch.ones_like(ratio))
+                        if group["trust_clip"]:
+                            ratio = torch.clamp(ratio / lr, max=1.0)
+                        ratio = torch.clamp(ratio, min=group["min_trust_ratio"], max=group["max_trust_ratio"])
+                        d = d.add(p, alpha=wd).mul_(ratio)
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = d.clone()
+                    else:
+                        state["momentum_buffer"].mul_(mu).add_(d)
+                    buf = state["momentum_buffer"]
+                    p.add_(d.add(buf, alpha=mu) if group["nesterov"] else buf, alpha=-lr)
+
+    return LoopLARS(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                 trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
+                                 trust_clip=trust_clip, min_trust_ratio=min_trust_ratio,
+                                 max_trust_ratio=max_trust_ratio, lars_exclude=False))
+
+
+@check("FusedLARS", timeout_s=120)
+def check_lars(device: Any) -> list[Row]:
+    """FusedLARS against the per-tensor loop (`loop_lars`) on ResNet-50's 161 tensors (float32, the
+    trainer's two groups): 5 steps for each of nesterov x trust_clip (and a trust-ratio range where
+    FusedLARS takes one), max relative difference; time per step of both."""
+    import inspect
+
+    import torch
+
     from kernels import FusedLARS
-    from scripts.bench.optim import LoopLARS
 
+    require_device(device)
+    options = [dict(nesterov=n, trust_clip=c) for n in (False, True) for c in (False, True)]
+    if "max_trust_ratio" in inspect.signature(FusedLARS).parameters:
+        options.append(dict(nesterov=False, trust_clip=False, min_trust_ratio=0.02, max_trust_ratio=0.05))
+    gpu = device.type == "cuda"
+    shapes = resnet50_shapes() if gpu else resnet50_shapes(width=8, num_classes=10)
+    steps, repeats = (5, 5) if gpu else (3, 2)
     gen = torch.Generator().manual_seed(0)
-    shapes = [(64, 32, 3, 3), (1000, 512), (64,), (64,), (5, 5)]
-    start = [torch.randn(s, generator=gen, dtype=torch.float64).to(device) for s in shapes]
-    start[4].zero_()
-    grads = [[(torch.randn(s, generator=gen, dtype=torch.float64) * 0.01).to(device)
-              for s in shapes] for _ in range(10)]
-    worst = 0.0
-    for nesterov in (False, True):
-        for trust_clip in (False, True):
-            finals = []
-            for cls in (LoopLARS, FusedLARS):
-                weights = [torch.nn.Parameter(p.clone()) for p in start]
-                opt = cls([{"params": weights[:2] + weights[4:]},
-                           {"params": weights[2:4], "lars_exclude": True}], lr=0.5,
-                          weight_decay=5e-2, trust_coefficient=0.02, nesterov=nesterov,
-                          trust_clip=trust_clip)
-                for step, g in enumerate(grads):
-                    for group in opt.param_groups:
-                        group["lr"] = 0.5 * (step + 1) / 10
-                    for w, gw in zip(weights, g):
-                        w.grad = gw.clone()
-                    opt.step()
-                finals.append(weights)
-            worst = max(worst, max(((a - b).abs().max() / a.abs().max().clamp(min=1e-30)).item()
-                                   for a, b in zip(*finals)))
-    return [("FusedLARS", verdict(worst <= 1e-6),
-             f"vs per-tensor loop, 10 steps, nesterov x trust_clip, exclusion group: "
-             f"max relative difference {worst:.1e} (limit 1e-6)")]
+    start = [torch.randn(s, generator=gen).to(device) * (0.05 if len(s) > 1 else 1.0) for s in shapes]
+    grads = [[(torch.randn(s, generator=gen) * 0.01).to(device) for s in shapes] for _ in range(steps)]
+    worst, times = 0.0, {}
+    for i, option in enumerate(options):
+        finals = []
+        for name, make in (("loop", loop_lars), ("fused", FusedLARS)):
+            weights = [torch.nn.Parameter(p.clone()) for p in start]
+            opt = make([{"params": [w for w in weights if w.ndim > 1], "weight_decay": 5e-5},
+                        {"params": [w for w in weights if w.ndim <= 1], "weight_decay": 0.0, "lars_exclude": True}],
+                       lr=2.0, momentum=0.9, trust_coefficient=0.001, **option)
+            for g in grads:
+                for w, gw in zip(weights, g):
+                    w.grad = gw
+                opt.step()
+            if i == 0:
+                times[name] = median_ms(opt.step, device, repeats)
+            finals.append(weights)
+        worst = max(worst, max(((a - b).abs().max() / a.abs().max().clamp(min=1e-30)).item()
+                               for a, b in zip(*finals)))
+    n = sum(int(torch.Size(s).numel()) for s in shapes)
+    ranged = " and a trust-ratio range" if len(options) > 4 else ""
+    return [Row("FusedLARS", verdict(worst <= 1e-5),
+                f"{len(shapes)} tensors ({n / 1e6:.1f} M, float32), {steps} steps x nesterov x trust_clip{ranged}: max "
+                f"relative difference from the per-tensor loop {worst:.1e} (limit 1e-5); step {times['fused']:.2f} ms vs "
+                f"loop {times['loop']:.2f} ms ({times['loop'] / times['fused']:.1f}x)",
+                {"max_rel_diff": worst, "ms": times["fused"], "loop_ms": times["loop"]})]
 
 
-@check("bench topk")
-def check_bench_topk(device: torch.device) -> list[Row]:
-    require_cuda(device)
+# ---------------------------------------------------------------- training steps on synthetic data
+
+
+def _train_steps(trainer: Any, batches: Any, device: Any, warmup: int, timed: int, units: Callable) -> dict:
+    """Warm-up steps, then `timed` steps timed end to end, then one step under the sync counter."""
+    import torch
+
+    skipped = trainer.skipped_steps
+    for _ in range(warmup):
+        trainer.train_step(next(batches))
     if device.type == "cuda":
-        require_module("triton")
-    from scripts.bench import topk
-
-    result = topk.main(["--device", str(device)])
-    return [("bench topk", "PASS", f"n={result['n']:,} k={result['k']:,}: mstopk {result['ms']} ms "
-             f"vs torch.topk {result['baseline_ms']} ms ({result['ratio']}x), "
-             f"recall {result['recall']:.4f}")]
-
-
-@check("bench optim")
-def check_bench_optim(device: torch.device) -> list[Row]:
-    require_cuda(device)
-    require_module("torchvision")
-    from scripts.bench import optim
-
-    result = optim.main(["--device", str(device)])
-    return [("bench optim", "PASS", f"{result['model']}: FusedLARS {result['ms']} ms vs loop "
-             f"{result['baseline_ms']} ms ({result['ratio']}x), SGD foreach "
-             f"{result['sgd_foreach_ms']} ms")]
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    start, seen = time.perf_counter(), 0
+    for _ in range(timed):
+        batch = next(batches)
+        loss, _, _ = trainer.train_step(batch)
+        seen += units(batch)
+    sync(device)
+    seconds = time.perf_counter() - start
+    with count_host_syncs(device) as syncs:
+        loss, _, _ = trainer.train_step(next(batches))
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"per_s": seen / seconds, "peak_gib": peak, "syncs": len(syncs), "loss": float(loss),
+            "skipped": trainer.skipped_steps - skipped, "steps": warmup + timed + 1,
+            "sync_sites": sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})}
 
 
-# ---------------------------------------------------------------- input pipeline (issue 3)
+def _trainer(train_cfg: Any, optim_cfg: Any, topo: Any, model: Any, task: Any, optimizer: Any, comm: Any,
+             log_dir: str) -> Any:
+    from trainer.loop import Trainer
+    from trainer.metrics import LogConfig, MetricsLogger
+    from trainer.schedules import ScheduleConfig
+
+    return Trainer(train_cfg, ScheduleConfig(), optim_cfg, LogConfig(dir=log_dir, tensorboard=False, progress=False),
+                   topo, model, task, optimizer, comm, MetricsLogger([]), {})
 
 
-def _batches_per_s(loader, epochs: int = 2) -> tuple[list, float]:
+def _step_detail(r: dict, unit: str, gpu: bool) -> str:
+    memory = f", peak {r['peak_gib']:.1f} GiB" if gpu else ""
+    syncs = (f", {r['syncs']} host sync(s)/step" + (f" ({', '.join(r['sync_sites'])})" if r["sync_sites"] else "")
+             if gpu else "")
+    return (f"{r['per_s']:,.0f} {unit}/s{memory}{syncs}, {r['skipped']} of {r['steps']} steps skipped by the loss "
+            f"scaler, loss {r['loss']:.3f}")
+
+
+@check("train resnet50", timeout_s=240, requires=("torchvision",))
+def check_train_resnet50(device: Any) -> list[Row]:
+    """The trainer's own step (Trainer.train_step) on data.backend=synthetic: ResNet-50, AMP fp16 with the
+    dynamic loss scaler, channels-last, FusedLARS, the topk communicator over a 1-rank world (MSTopK on its
+    side stream), at each DAWNBench phase's per-GPU size: images/s, peak memory, host syncs per step,
+    skipped steps. The CPU dry run: ResNet-18 at batch 4, 32 and 40 px, fp32 with the scaler."""
+    import torch
+    import torchvision
+
+    from data import DataConfig, build_image_data
+    from trainer.classification import ClassificationTask
+    from trainer.loop import TrainConfig
+    from trainer.optim import OptimConfig, build_optimizer
+    from trainer.schedules import Phase
+
+    require_device(device)
+    gpu = device.type == "cuda"
+    if gpu:
+        torch.backends.cudnn.benchmark = True
+    sizes = [(256, 96), (256, 128), (128, 224), (128, 288)] if gpu else [(4, 32), (4, 40)]
+    arch = "resnet50" if gpu else "resnet18"
+    phases = [Phase(start_epoch=i, end_epoch=i + 1, image_size=px, batch_size=batch)
+              for i, (batch, px) in enumerate(sizes)]
+    data = build_image_data(DataConfig(backend="synthetic"), 0, 1, seed=0, device=device)
+    model = getattr(torchvision.models, arch)(num_classes=data.num_classes, zero_init_residual=True).to(device)
+    model = model.to(memory_format=torch.channels_last)
+    optim_cfg = OptimConfig(name="lars", lr=2.0, momentum=0.9, weight_decay=5e-5, trust_coefficient=0.001,
+                            trust_clip=True)
+    optimizer = build_optimizer(model, optim_cfg)
+    train_cfg = TrainConfig(epochs=len(phases), amp="fp16" if gpu else "off", loss_scale="dynamic")
+    rows = []
+    with one_rank_world(device) as topo, tempfile.TemporaryDirectory() as log_dir:
+        comm = one_rank_communicator("topk", model, topo, bucket_mb=25.0, density=0.01)
+        task = ClassificationTask(model, data, topo, phases, 0.1, channels_last=True)
+        trainer = _trainer(train_cfg, optim_cfg, topo, model, task, optimizer, comm, log_dir)
+        for phase in phases:
+            batches = task.train_batches(phase, 0)
+            r = _train_steps(trainer, batches, device, warmup=3 if gpu else 0, timed=10 if gpu else 1,
+                             units=lambda b: len(b[1]))
+            batches.close()
+            ok = r["loss"] == r["loss"] and r["skipped"] < r["steps"]
+            rows.append(Row(f"train {arch} {phase.batch_size} @ {phase.image_size} px", verdict(ok),
+                            _step_detail(r, "images", gpu) + f"; {'fp16' if gpu else 'fp32'}, channels-last, "
+                            "FusedLARS, topk over 1 rank",
+                            {k: r[k] for k in ("per_s", "peak_gib", "syncs", "skipped", "loss")}))
+        comm.detach()
+    return rows
+
+
+class _TokenTask:
+    """The translation loss on prepared token batches (the Trainer needs only `loss`)."""
+
+    unit = "tokens"
+
+    def __init__(self, model: Any, label_smoothing: float) -> None:
+        self.model, self.label_smoothing = model, label_smoothing
+
+    def loss(self, batch: Any) -> tuple:
+        from trainer.translation import translation_loss
+
+        return translation_loss(self.model, batch, self.label_smoothing)
+
+
+# torchvision: trainer.translation imports data.translation, and the data package imports its torchvision backend
+@check("train transformer", timeout_s=150, requires=("torchvision",))
+def check_train_transformer(device: Any) -> list[Row]:
+    """The trainer's step on the Transformer-base of recipes/transformer.py (6+6 layers, d_model 512, a 32k
+    shared vocabulary) with AMP fp16 and the loss scaler, fused Adam (kernels.build_adam) and the topk
+    communicator over a 1-rank world, on random token batches of the recipe's 3,584 tokens per GPU:
+    tokens/s, peak memory, host syncs per step. The CPU dry run: a 1+1-layer model, d_model 64."""
+    import torch
+
+    from data.translation import BOS, EOS, TranslationBatch
+    from trainer.loop import TrainConfig
+    from trainer.optim import OptimConfig, build_optimizer
+    from trainer.translation import TransformerConfig, build_transformer
+
+    require_device(device)
+    gpu = device.type == "cuda"
+    if gpu:
+        cfg, vocab, sentences, length = TransformerConfig(), 32000, 112, 32  # 112 x 32 = 3,584 target tokens
+    else:
+        cfg = TransformerConfig(d_model=64, heads=4, encoder_layers=1, decoder_layers=1, ffn_dim=128)
+        vocab, sentences, length = 1000, 8, 16
+    torch.manual_seed(0)
+    model = build_transformer(cfg, vocab).to(device)
+    optim_cfg = OptimConfig(name="adam", lr=5e-4, betas=(0.9, 0.98), weight_decay=0.0)
+    optimizer = build_optimizer(model, optim_cfg)
+    fused = bool(optimizer.defaults.get("fused"))
+    gen = torch.Generator().manual_seed(1)
+
+    def batches() -> Any:
+        while True:
+            src = torch.randint(4, vocab, (sentences, length), generator=gen)
+            tgt = torch.randint(4, vocab, (sentences, length - 1), generator=gen)
+            src[:, -1] = EOS
+            bos, eos = torch.full((sentences, 1), BOS), torch.full((sentences, 1), EOS)
+            yield TranslationBatch(src, torch.cat([bos, tgt], 1), torch.cat([tgt, eos], 1)).to(device)
+
+    train_cfg = TrainConfig(epochs=1, amp="fp16" if gpu else "off", loss_scale="dynamic")
+    with one_rank_world(device) as topo, tempfile.TemporaryDirectory() as log_dir:
+        comm = one_rank_communicator("topk", model, topo, bucket_mb=25.0, density=0.01)
+        trainer = _trainer(train_cfg, optim_cfg, topo, model, _TokenTask(model, cfg.label_smoothing), optimizer,
+                           comm, log_dir)
+        r = _train_steps(trainer, batches(), device, warmup=3 if gpu else 0, timed=10 if gpu else 2,
+                         units=lambda b: sentences * length)
+        comm.detach()
+    ok = r["loss"] == r["loss"] and r["skipped"] < r["steps"] and (fused or not gpu)
+    name = "base" if gpu else "tiny"
+    return [Row(f"train transformer-{name} {sentences * length:,} tokens", verdict(ok),
+                _step_detail(r, "tokens", gpu) + f"; {'fp16' if gpu else 'fp32'}, "
+                f"{'fused' if fused else 'NOT fused'} Adam, topk over 1 rank",
+                {k: r[k] for k in ("per_s", "peak_gib", "syncs", "skipped", "loss")} | {"fused_adam": fused})]
+
+
+# ---------------------------------------------------------------- input pipeline
+
+
+def _batches_per_s(loader: Any, epochs: int = 2) -> tuple[list, float]:
     """All batches of the last epoch, and its images/s (the first epoch warms up)."""
     for epoch in range(epochs):
         loader.set_epoch(epoch)
@@ -183,192 +896,177 @@ def _batches_per_s(loader, epochs: int = 2) -> tuple[list, float]:
     return batches, sum(len(labels) for _, labels in batches) / seconds
 
 
-@check("DALI mixed decode")
-def check_dali(device: torch.device) -> list[Row]:
-    """DALI `mixed` (nvJPEG) decoding vs DALI's CPU decoding on the same files, and the GPU pipeline's images/s.
-
-    With --device cpu: DALI's CPU pipeline vs the torchvision backend (the same deterministic validation
-    transform), as a dry run.
-    """
-    require_cuda(device)
-    if importlib.util.find_spec("nvidia.dali") is None:
-        raise Skip("NVIDIA DALI is not installed in this Python (its wheels are too large to travel with the "
-                   "code); the data pipeline falls back to torchvision here")
-    import tempfile
-    from pathlib import Path
+@check("DALI mixed decode", timeout_s=150, requires=("nvidia.dali",), requires_on={"cpu": ("torchvision",)})
+def check_dali(device: Any) -> list[Row]:
+    """DALI `mixed` (nvJPEG) decoding against DALI's CPU decoding on the same files, and each pipeline's
+    images/s. The CPU dry run compares DALI's CPU pipeline with the torchvision backend (the same
+    deterministic validation transform) on fewer, smaller batches."""
+    import torch
 
     from data import CacheConfig, DataConfig, build_image_data
     from scripts.make_imagenet_like import prepare
 
+    require_device(device)
+    gpu = device.type == "cuda"
+    # at least one validation image per class (10): check_dataset wants the same classes in train/ and val/
+    train, val, batch, px = (512, 128, 128, 224) if gpu else (20, 10, 10, 64)
     with tempfile.TemporaryDirectory() as tmp:
-        root = prepare(Path(tmp) / "images", train=512, val=128)
+        root = prepare(Path(tmp) / "images", train=train, val=val)
         cfg = DataConfig(root=str(root), backend="dali", workers=2, dtype="float32",
                          cache=CacheConfig(ram=False, dir=""))
-        other_cfg = cfg if device.type == "cuda" else DataConfig(root=str(root), backend="torchvision", workers=2)
+        other_cfg = cfg if gpu else DataConfig(root=str(root), backend="torchvision", workers=0)
         cpu, other = (build_image_data(c, 0, 1, 0, d) for c, d in ((cfg, torch.device("cpu")), (other_cfg, device)))
-        name = "DALI mixed (GPU)" if device.type == "cuda" else "torchvision"
-        val_cpu, val_other = (torch.cat([im.float().cpu() for im, _ in d.val_loader(224, 64)]) for d in (cpu, other))
+        name = "DALI mixed (GPU)" if gpu else "torchvision"
+        val_cpu, val_other = (torch.cat([im.float().cpu() for im, _ in d.val_loader(px, batch)]) for d in (cpu, other))
         diff = (val_cpu - val_other).abs()
         # 1 grey level = 0.017 here. nvJPEG's IDCT and chroma upsampling differ from libjpeg-turbo's by a few
         # levels; PIL and DALI CPU (both libjpeg-turbo, the same resize sizes and crop window) by about one
-        limits = (0.02, 1.0) if device.type == "cuda" else (0.01, 0.1)
+        limits = (0.02, 1.0) if gpu else (0.01, 0.1)
         ok = diff.mean().item() < limits[0] and diff.max().item() < limits[1]
-        rows = [("DALI mixed decode", verdict(ok),
-                 f"{name} vs DALI CPU, 128 JPEGs (300-500 px) resized+center-cropped to 224: mean |diff| "
-                 f"{diff.mean().item():.4f}, max {diff.max().item():.3f} (normalized units; limits {limits})")]
-        rates = {}
-        for label, data in (("DALI CPU", cpu), (name, other)):
-            batches, rates[label] = _batches_per_s(data.train_loader(224, 128))
-            ok = all(im.shape == (128, 3, 224, 224) and torch.isfinite(im).all() for im, _ in batches)
-            rows.append((f"data {label}", verdict(ok), f"train 224 px, batch 128, 512 JPEGs: {rates[label]:.0f} "
-                         f"images/s (epoch 2)"))
-            data.close()
+        rows = [Row("DALI mixed decode", verdict(ok),
+                    f"{name} vs DALI CPU, {val} JPEGs (300-500 px) resized+center-cropped to {px}: mean |diff| "
+                    f"{diff.mean().item():.4f}, max {diff.max().item():.3f} (normalized units; limits {limits})")]
+        for label, source in (("DALI CPU", cpu), (name, other)):
+            batches, rate = _batches_per_s(source.train_loader(px, batch))
+            ok = all(im.shape == (batch, 3, px, px) and torch.isfinite(im).all() for im, _ in batches)
+            rows.append(Row(f"data {label}", verdict(ok), f"train {px} px, batch {batch}, {train} JPEGs: {rate:,.0f} "
+                            f"images/s (epoch 2)", {"per_s": rate}))
+            source.close()
     return rows
 
 
-# ---------------------------------------------------------------- communicators (issue 5)
+# ---------------------------------------------------------------- the harness's own check
 
 
-def _comm_rank(rank: int, world: int, store: str, device_type: str, results) -> None:
-    """One rank of the communicator check: NCCL on its own GPU (gloo on the CPU for --device cpu)."""
-    import datetime
-    import statistics
-
-    import torch.distributed as dist
-    import torchvision
-
-    from trainer.comm.dense import DenseAllreduce
-    from trainer.comm.sparse import SparseAllgather
-    from trainer.dist import Group, Topology
-
-    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.FileStore(store, world),
-                            rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
-    topo = Topology(rank=rank, world_size=world, local_rank=rank, ranks_per_node=world, device=device)
-    topo.world = Group(None, rank, datetime.timedelta(seconds=120))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def build(kind: str, model: torch.nn.Module, density: float):
-        if kind == "dense":
-            return DenseAllreduce(model, topo, 25.0)
-        # topk: every rank a node (sparse between all); hitopk here: one node, dense inside it
-        intra, inter = (None, topo.world) if kind == "topk" else (topo.world, None)
-        return SparseAllgather(model, topo, 25.0, density, 16384, 0, intra, inter)
-
-    def step(model, comm, grads) -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        sum((p * g).sum() for p, g in zip(model.parameters(), grads)).backward()
-        comm.finish()
-        return [p.grad.clone() for p in model.parameters()]
-
-    out = {}
-    gen = torch.Generator(device=device).manual_seed(rank)
-    model = torchvision.models.resnet50().to(device)
-    params = list(model.parameters())
-    integer = [torch.randint(-8, 9, p.shape, generator=gen, device=device).float() for p in params]
-    real = [torch.randn(p.shape, generator=gen, device=device) for p in params]
-    dense_grads = None
-    for kind in ("dense", "topk", "hitopk"):
-        m = torchvision.models.resnet50().to(device)
-        got = step(m, build(kind, m, 1.0), integer)
-        dense_grads = dense_grads or got
-        exact = all(torch.equal(a, b) for a, b in zip(got, dense_grads))
-        m = torchvision.models.resnet50().to(device)
-        comm = build(kind, m, 0.01)
-        averaged = torch.cat([g.reshape(-1) for g in step(m, comm, real)])
-        conserved = None  # checked where residuals exist
-        if kind == "topk":  # W * averaged + sum of residuals == sum of gradients (bucket order = reversed params)
-            residual = torch.cat([comm.residuals[b.index] if b.index in comm.residuals else
-                                  torch.zeros(b.numel, device=device) for b in comm.buckets])
-            incoming = torch.cat([g.reshape(-1) for b in comm.buckets for g in
-                                  (real[[id(q) for q in m.parameters()].index(id(p))] for p in b.params)])
-            sent = torch.cat([p.grad.reshape(-1) for b in comm.buckets for p in b.params]) * world
-            dist.all_reduce(residual)
-            dist.all_reduce(incoming)
-            conserved = torch.allclose(sent + residual, incoming, rtol=1e-4, atol=1e-3)
-        times = []
-        for _ in range(6):
-            sync()
-            start = time.perf_counter()
-            step(m, comm, real)
-            sync()
-            times.append(time.perf_counter() - start)
-        out[kind] = {"exact": exact, "conserved": conserved, "ms": statistics.median(times[1:]) * 1e3,
-                     "finite": bool(torch.isfinite(averaged).all())}
-    if rank == 0:
-        results.put(out)
-    dist.barrier()
-    dist.destroy_process_group()
+@check("selftest", timeout_s=60, hidden=True, light=True)
+def check_selftest(device: str) -> list[Row]:
+    """The harness itself, run only when named: GPU_CHECK_SELFTEST=raise raises, =hang sleeps past any
+    timeout, =exit ends the process without a result; unset, it passes."""
+    mode = os.environ.get("GPU_CHECK_SELFTEST", "")
+    if mode == "raise":
+        raise RuntimeError("raised on purpose (GPU_CHECK_SELFTEST=raise)")
+    if mode == "hang":
+        time.sleep(3600)
+    if mode == "exit":
+        os._exit(3)
+    return [Row("selftest", "PASS", "a check ran in its own subprocess and reported")]
 
 
-@check("communicators")
-def check_communicators(device: torch.device) -> list[Row]:
-    """dense / topk / hitopk over NCCL on every GPU present (one rank per GPU; 2 gloo ranks with --device cpu):
-    density 1.0 equals dense exactly, density 0.01 conserves gradient mass, time per ResNet-50 step."""
-    require_cuda(device)
-    import os
-    import tempfile
+# ---------------------------------------------------------------- child: one check
 
-    import torch.multiprocessing as mp
 
-    world = torch.cuda.device_count() if device.type == "cuda" else 2
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+def run_one(name: str, device_name: str, result_file: str) -> int:
+    """Runs one check in this process and writes {"rows": [...], "machine": {...}} to `result_file`."""
+    spec = CHECKS[name]
+    try:
+        for module in spec.requires + spec.requires_on.get(device_name, ()):
+            reason = missing_module(module)
+            if reason:
+                raise Skip(reason)
+        if spec.light:
+            rows = spec.fn(device_name)
+        else:
+            import torch
+
+            if device_name == "auto":
+                device_name = "cuda" if torch.cuda.is_available() else "cpu"
+            rows = spec.fn(torch.device(device_name))
+    except Skip as reason:
+        rows = [Row(name, "SKIP", str(reason))]
+    except Exception as err:  # noqa: BLE001 - the check's failure is its result
+        traceback.print_exc()
+        rows = [Row(name, "FAIL", f"{type(err).__name__}: {err}".splitlines()[0][:400])]
+    Path(result_file).write_text(json.dumps({"rows": [asdict(r) for r in rows], "machine": MACHINE}))
+    return 0
+
+
+# ---------------------------------------------------------------- parent: every check, one table
+
+
+def run_child(name: str, device: str, timeout_s: float) -> tuple[list[Row], dict, float]:
+    """One check in a subprocess (its own process group, killed whole on timeout); its output goes to stderr."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_comm_rank, args=(r, world, os.path.join(tmp, "store"), device.type, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(300)
-            if p.is_alive():
-                p.kill()
-        if any(p.exitcode for p in procs):
-            raise RuntimeError(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
-    out = results.get()
-    backend = f"NCCL, {world} GPU(s)" if device.type == "cuda" else f"gloo, {world} CPU ranks"
-    return [(f"comm {kind}", verdict(r["exact"] and r["conserved"] is not False and r["finite"]),
-             f"{backend}: density 1.0 == dense {r['exact']}; density 0.01 mass conserved "
-             f"{'n/a' if r['conserved'] is None else r['conserved']}; "
-             f"ResNet-50 step {r['ms']:.1f} ms") for kind, r in out.items()]
-
-
-# ---------------------------------------------------------------- runner
-
-
-def run(names: list[str] | None, device: torch.device) -> list[Row]:
-    rows: list[Row] = []
-    for name, fn in CHECKS:
-        if names and name not in names:
-            continue
-        print(f"== {name}", flush=True)
+        result_file = Path(tmp) / "result.json"
         start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "scripts.gpu_check", "--run-one", name, "--device", device,
+                                 "--result-file", str(result_file)], cwd=ROOT, env=env, stdout=sys.stderr,
+                                stderr=sys.stderr, start_new_session=True)
         try:
-            rows += fn(device)
-        except Skip as reason:
-            rows.append((name, "SKIP", str(reason)))
-        except Exception as err:  # a broken check must not stop the others
-            traceback.print_exc()
-            rows.append((name, "FAIL", f"{type(err).__name__}: {err}"))
-        print(f"   {name}: {time.perf_counter() - start:.1f} s", flush=True)
-    return rows
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # with the ranks or loader workers it started
+            proc.wait()
+            return [Row(name, "FAIL", f"timed out after {timeout_s:.0f} s (killed)")], {}, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if not result_file.exists():
+            return [Row(name, "FAIL", f"the check's process exited with status {code} without a result (its output "
+                                      "is above, on stderr)")], {}, seconds
+        result = json.loads(result_file.read_text())
+    return [Row(**r) for r in result["rows"]], result.get("machine", {}), seconds
+
+
+def print_table(rows: list[dict]) -> None:
+    headers = ("check", "result", "seconds", "detail")
+    cells = [(r["check"], r["result"], f"{r['seconds']:.1f}", r["detail"]) for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers[:-1])]
+    print(" | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " | detail")
+    print("-+-".join("-" * w for w in widths) + "-+-" + "-" * 6)
+    for c in cells:
+        print(" | ".join(v.ljust(w) for v, w in zip(c, widths)) + " | " + c[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    names = [name for name, _ in CHECKS]
-    parser.add_argument("--only", nargs="+", choices=names, help="run only these checks")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: a dry run of the checks that allow it, on the CPU paths")
+    names = [c.name for c in CHECKS.values()]
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                        help="auto: cuda where torch sees a GPU, else a CPU dry run")
+    parser.add_argument("--only", nargs="+", choices=names, metavar="NAME",
+                        help=f"run only these checks ({', '.join(n for n in names if not CHECKS[n].hidden)})")
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="seconds for the whole run; a check that cannot start in the time left is a FAIL")
+    parser.add_argument("--timeout-s", type=float, default=0.0, help="cap on every check's timeout (0 = none)")
+    parser.add_argument("--run-one", choices=names, help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.run_one:
+        return run_one(args.run_one, args.device, args.result_file)
+
     start = time.perf_counter()
-    rows = run(args.only, torch.device(args.device))
-    print(f"\nGPU check: {time.perf_counter() - start:.0f} s, torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device'}")
-    print_table(["check", "result", "detail"], rows)
-    return 1 if any(result == "FAIL" for _, result, _ in rows) else 0
+    deadline = start + args.budget_s
+    selected = args.only or [n for n in names if not CHECKS[n].hidden]
+    machine: dict[str, Any] = {"hostname": socket.gethostname(), "platform": platform.platform(),
+                               "cpus": os.cpu_count(), "python": platform.python_version()}
+    device = args.device
+    # preflight first: it names the machine, and decides the device for `auto`
+    if "preflight" not in selected and device == "auto":
+        selected = ["preflight", *selected]
+    order = sorted(selected, key=lambda n: n != "preflight")
+    rows: list[dict] = []
+    for name in order:
+        left = deadline - time.perf_counter()
+        if left < 5:
+            rows.append({**asdict(Row(name, "FAIL", f"not run: the {args.budget_s:.0f} s budget (--budget-s) was "
+                                                    "spent by the checks before it")), "seconds": 0.0})
+            continue
+        timeout = min(CHECKS[name].timeout_s, left, args.timeout_s or float("inf"))
+        print(f"== {name} (device {device}, timeout {timeout:.0f} s)", file=sys.stderr, flush=True)
+        got, found, seconds = run_child(name, device, timeout)  # `auto` is resolved by the preflight child
+        machine.update(found)
+        if device == "auto":
+            device = machine.get("device", "cpu")
+        rows += [{**asdict(r), "seconds": round(seconds, 1)} for r in got]
+        print(f"   {name}: {seconds:.1f} s, " + ", ".join(f"{r.check} {r.result}" for r in got), file=sys.stderr,
+              flush=True)
+    machine["device"] = device
+    counts = {k.lower(): sum(r["result"] == k for r in rows) for k in RESULTS}
+    gpus = machine.get("gpus") or []
+    print(f"\nGPU check on {', '.join(gpus) if gpus and machine['device'] == 'cuda' else 'the CPU (dry run)'}: "
+          f"{time.perf_counter() - start:.0f} s, {counts['pass']} PASS, {counts['fail']} FAIL, {counts['skip']} SKIP")
+    print_table(rows)
+    print(json.dumps({"bench": "gpu_check", "rows": rows, **counts, "machine": machine}), flush=True)
+    return 1 if counts["fail"] else 0
 
 
 if __name__ == "__main__":

@@ -3,4 +3,4 @@
 # (default python3), e.g. the GPU machine's own Python. Arguments go to gpu_check.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python3}" scripts/gpu_check.py "$@"
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python3}" -m scripts.gpu_check "$@"

@@ -1,0 +1,130 @@
+"""scripts/gpu_check.sh on the CPU: the dry run as is, with optional packages hidden, and the harness's own failures.
+
+A package is hidden by a sitecustomize.py on PYTHONPATH whose meta-path finder raises ModuleNotFoundError for
+it, in the parent and in every check's subprocess, as on a machine where it is not installed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts.gpu_check import CHECKS, arch_support, missing_module, resnet50_shapes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+HIDE = """import importlib.abc
+import sys
+
+HIDDEN = {hidden!r}
+
+
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == h or name.startswith(h + ".") for h in HIDDEN):
+            raise ModuleNotFoundError(f"No module named {{name!r}} (hidden by the test)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Hide())
+"""
+
+
+def gpu_check(tmp_path: Path, *args: str, hidden: tuple[str, ...] = (), env: dict | None = None,
+              timeout: float = 600) -> tuple[int, list[dict], str]:
+    """Runs scripts/gpu_check.sh with this interpreter; (exit status, rows of the last line's JSON, stderr)."""
+    paths = [str(ROOT)]
+    if hidden:
+        site = tmp_path / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(HIDE.format(hidden=list(hidden)))
+        paths.insert(0, str(site))
+    run_env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=os.pathsep.join(paths), **(env or {}))
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args], cwd=ROOT, env=run_env,
+                          capture_output=True, text=True, timeout=timeout)
+    last = json.loads(done.stdout.strip().splitlines()[-1])
+    assert last["bench"] == "gpu_check"
+    assert {k: last[k] for k in ("pass", "fail", "skip")} == {
+        k.lower(): sum(r["result"] == k for r in last["rows"]) for k in ("PASS", "FAIL", "SKIP")}
+    return done.returncode, last["rows"], done.stderr
+
+
+def results(rows: list[dict]) -> dict[str, str]:
+    return {r["check"]: r["result"] for r in rows}
+
+
+def importable(name: str) -> bool:
+    return missing_module(name) is None
+
+
+def test_the_cpu_dry_run_passes_every_check_it_can_run(tmp_path):
+    code, rows, err = gpu_check(tmp_path, "--device", "cpu")
+    got = results(rows)
+    assert code == 0 and "FAIL" not in got.values(), err[-3000:]
+    assert got["preflight versions"] == "PASS" and got["compute capability"] == "SKIP"
+    assert {got["comm dense"], got["comm topk"], got["comm hitopk"], got["FusedLARS"]} == {"PASS"}
+    assert got["mstopk worker thread"] == "PASS" and got["mstopk host syncs"] == "SKIP"  # CUDA syncs only
+    if importable("torchvision"):
+        assert got["train resnet18 4 @ 32 px"] == got["train transformer-tiny 128 tokens"] == "PASS"
+    assert got.get("DALI mixed decode") == ("PASS" if importable("nvidia.dali") else "SKIP")
+    assert "selftest" not in got  # hidden unless named
+
+
+def test_without_dali_the_decode_check_is_a_skip(tmp_path):
+    # the whole `nvidia` namespace: a dotted name whose parent is missing must not raise
+    code, rows, _ = gpu_check(tmp_path, "--device", "cpu", "--only", "DALI mixed decode", hidden=("nvidia",))
+    (row,) = rows
+    assert code == 0 and row["result"] == "SKIP" and "nvidia.dali is not installed" in row["detail"]
+
+
+def test_without_torchvision_its_checks_are_skips(tmp_path):
+    needing = [c.name for c in CHECKS.values() if "torchvision" in c.requires + c.requires_on.get("cpu", ())]
+    assert {"train resnet50", "train transformer", "DALI mixed decode"} <= set(needing)
+    code, rows, _ = gpu_check(tmp_path, "--device", "cpu", "--only", *needing, hidden=("torchvision",))
+    assert code == 0 and [r["result"] for r in rows] == ["SKIP"] * len(needing)
+    assert all("torchvision" in r["detail"] or "nvidia.dali" in r["detail"] for r in rows)
+
+
+@pytest.mark.parametrize("mode, args, expected", [
+    ("", (), "PASS: a check ran in its own subprocess"),
+    ("raise", (), "FAIL: RuntimeError: raised on purpose"),
+    ("hang", ("--timeout-s", "3"), "FAIL: timed out after 3 s"),
+    ("exit", (), "FAIL: the check's process exited with status 3 without a result"),
+    ("", ("--budget-s", "1"), "FAIL: not run: the 1 s budget"),
+])
+def test_the_harness_turns_errors_timeouts_and_crashes_into_fail_rows(tmp_path, mode, args, expected):
+    code, rows, _ = gpu_check(tmp_path, "--device", "cpu", "--only", "selftest", *args,
+                              env={"GPU_CHECK_SELFTEST": mode}, timeout=120)
+    (row,) = rows
+    assert f"{row['result']}: {row['detail']}".startswith(expected)
+    assert code == (0 if expected.startswith("PASS") else 1)
+
+
+def test_a_broken_install_is_not_a_missing_one(tmp_path, monkeypatch):
+    (tmp_path / "brokenpkg").mkdir()
+    (tmp_path / "brokenpkg" / "__init__.py").write_text("import a_dependency_nobody_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "not installed" in missing_module("no_such_package.sub")
+    assert missing_module("json") is None
+    with pytest.raises(ModuleNotFoundError, match="a_dependency_nobody_installed"):
+        missing_module("brokenpkg")
+
+
+def test_resnet50_shapes_are_torchvisions():
+    torchvision = pytest.importorskip("torchvision")
+    with torch.device("meta"):
+        model = torchvision.models.resnet50()
+    assert resnet50_shapes() == [tuple(p.shape) for p in model.parameters()]
+    assert len(resnet50_shapes()) == 161
+
+
+def test_compute_capability_against_the_arch_list():
+    assert arch_support((9, 0), ["sm_80", "sm_90", "sm_100"]) == "its own binary (sm_90)"
+    assert arch_support((9, 0), ["sm_90a"]) == "its own binary (sm_90a)"
+    assert arch_support((8, 6), ["sm_80", "sm_90"]) == "the sm_80 binary (same major)"
+    assert arch_support((12, 0), ["sm_90", "compute_90"]) == "PTX compute_90, JIT-compiled at first use"
+    assert arch_support((9, 0), ["sm_75", "sm_80", "sm_86"]) is None
