@@ -26,7 +26,8 @@ from kernels import use_gemm_for_small_maps
 from trainer.classification import ClassificationTask, ClassificationTrainConfig
 from trainer.cli import parse_config
 from trainer.comm import CommConfig, build_communicator
-from trainer.config import require, save_config, to_dict
+from trainer.config import ConfigError, require, save_config, to_dict
+from trainer.devices import gpu_requests, require_cuda_for
 from trainer.dist import DistConfig, ReplicaGuard, setup_distributed, teardown_distributed
 from trainer.loop import Trainer, seed_everything
 from trainer.metrics import LogConfig, build_metrics
@@ -85,6 +86,7 @@ def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(Config, argv, prog="python -m recipes.resnet50")
+    require_cuda_for(gpu_requests(cfg.dist.backend, cfg.train.amp))  # before any process group or data
     topo = setup_distributed(cfg.dist)
     metrics = data = None
     try:
@@ -130,3 +132,5 @@ if __name__ == "__main__":
         main()
     except (DatasetNotFoundError, DataConfigError) as e:  # a user mistake: one line, not a traceback from every rank
         raise SystemExit(f"dataset error: {e}") from None
+    except ConfigError as e:  # e.g. a GPU setting on a machine without a usable GPU
+        raise SystemExit(f"config error: {e}") from None

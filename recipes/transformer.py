@@ -21,7 +21,8 @@ import torch
 from data.translation import TranslationData, TranslationDataConfig, TranslationDataError
 from trainer.cli import parse_config
 from trainer.comm import CommConfig, build_communicator
-from trainer.config import save_config, to_dict
+from trainer.config import ConfigError, save_config, to_dict
+from trainer.devices import gpu_requests, require_cuda_for
 from trainer.dist import DistConfig, ReplicaGuard, setup_distributed, teardown_distributed
 from trainer.loop import Trainer, seed_everything
 from trainer.metrics import LogConfig, MetricsLogger, build_metrics
@@ -64,6 +65,7 @@ def held_out_bleu(task: TranslationTask, trainer: Trainer, metrics: MetricsLogge
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(Config, argv, prog="python -m recipes.transformer")
+    require_cuda_for(gpu_requests(cfg.dist.backend, cfg.train.amp))  # before any process group or data
     topo = setup_distributed(cfg.dist)
     metrics = None
     try:
@@ -118,3 +120,5 @@ if __name__ == "__main__":
         main()
     except TranslationDataError as e:  # a user mistake: one line, not a traceback from every rank
         raise SystemExit(f"dataset error: {e}") from None
+    except ConfigError as e:  # e.g. a GPU setting on a machine without a usable GPU
+        raise SystemExit(f"config error: {e}") from None

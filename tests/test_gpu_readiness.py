@@ -217,3 +217,32 @@ def _waits(rank: int, world: int) -> None:
 
 def test_nccl_waits_do_not_block_the_host(tmp_path):
     run_ranks(_waits, 2, tmp_path)
+
+
+# ---------------------------------------------------------------- GPU settings on a machine without a GPU
+
+
+def test_arch_support_reads_native_code_and_ptx():
+    from trainer.devices import arch_supported
+    archs = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
+    assert arch_supported((9, 0), archs) and arch_supported((7, 5), archs)
+    assert not arch_supported((7, 0), archs)  # V100: neither its code nor older PTX
+    assert not arch_supported((8, 9), ["sm_80", "sm_90"])  # no sm_89 and no PTX to compile
+    assert arch_supported((12, 1), archs)  # newer than every sm_: runs from compute_120 PTX
+
+
+def test_a_gpu_config_stops_before_any_work_on_a_machine_without_cuda(tmp_path, monkeypatch):
+    """The flagship config asks for NCCL and fp16: here it stops with one line naming both and the reason,
+    before a process group, a dataset or a model exists (data.root does not even exist)."""
+    import subprocess
+    import sys
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = subprocess.run([sys.executable, "-m", "recipes.resnet50", "--config", "configs/resnet50_dawnbench.yaml",
+                             f"data.root={tmp_path / 'nowhere'}", f"log.dir={tmp_path / 'run'}"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("config error: dist.backend: nccl, train.amp: fp16 need a usable CUDA GPU, and ")
+    assert "is_available() is False" in lines[0] or "no CUDA support" in lines[0]
+    assert not (tmp_path / "run").exists()

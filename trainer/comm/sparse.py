@@ -43,7 +43,7 @@ import time
 import torch
 from torch import nn
 
-from kernels import mstopk
+from kernels import mstopk, mstopk_warm_up
 from trainer.comm.base import Bucket, ExchangeCommunicator
 from trainer.comm.dense import ring_allreduce_bytes
 from trainer.dist import Group, Topology
@@ -82,6 +82,18 @@ class SparseAllgather(ExchangeCommunicator):
         """(bucket index, its residual before this step) for every bucket this step updated."""
         self._dense: dict[int, torch.Tensor] = {}
         """Per bucket index, the summed shard the allgathered pairs are scattered into (reused every step)."""
+        if self.inter is not None:  # compile the selection kernels now, before the clock starts
+            mstopk_warm_up(topo.device, sorted({self.selection_size(b) for b in self.buckets
+                                               if b.numel >= dense_below}), selection_iters)
+
+    def selection_size(self, bucket: Bucket) -> tuple[int, int]:
+        """(elements MSTopK selects from, k) for a sparse exchange of `bucket`."""
+        size = math.ceil(bucket.numel / self.local_size)
+        return size, self.k_of(size)
+
+    def k_of(self, size: int) -> int:
+        """How many (value, index) pairs a shard of `size` elements sends."""
+        return min(size, max(1, math.ceil(self.density * size)))
 
     @property
     def local_size(self) -> int:
@@ -127,7 +139,7 @@ class SparseAllgather(ExchangeCommunicator):
             torch.add(shard, residual, out=acc)
         else:  # the residual is unscaled: bring it to this step's loss scale (a power of two: exact)
             torch.addcmul(shard, residual, scale, out=acc)
-        k = min(size, max(1, math.ceil(self.density * size)))
+        k = self.k_of(size)
         start = time.perf_counter()
         try:
             values, indices = mstopk(acc, k, iters=self.iters)
