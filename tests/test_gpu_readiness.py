@@ -246,3 +246,37 @@ def test_a_gpu_config_stops_before_any_work_on_a_machine_without_cuda(tmp_path, 
     assert lines[0].startswith("config error: dist.backend: nccl, train.amp: fp16 need a usable CUDA GPU, and ")
     assert "is_available() is False" in lines[0] or "no CUDA support" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- checkpoints out of the clock
+
+
+def test_background_checkpoints_are_complete_and_timed(tmp_path, digits_root):
+    """train.checkpoint_in_background: the files are written by a thread from a host snapshot, every one
+    verifies and holds the step it was taken at, and the training thread's time is in time/checkpoint_s."""
+    import json
+
+    from recipes.resnet50 import main
+    from tests.test_trainer import TINY, phases
+    from trainer.checkpoint import Checkpointer, load_verified
+    out = tmp_path / "run"
+    summary = main(["--config", "configs/quickstart_cpu.yaml", f"data.root={digits_root}", f"log.dir={out}",
+                    "train.epochs=2", phases(2), "train.max_steps_per_epoch=3", *TINY,
+                    "train.checkpoint_in_background=true", "train.checkpoint_every_steps=2", "train.keep_checkpoints=9",
+                    "dist.backend=gloo", "comm.kind=dense"])
+    steps = sorted(int(p.name[5:13]) for p in Checkpointer(out / "checkpoints").paths())
+    assert steps == [2, 3, 4, 6]  # every 2 steps, and at the end of each epoch (3 steps per epoch)
+    for step in steps:
+        assert load_verified(out / "checkpoints" / f"ckpt-{step:08d}.pt")["trainer"]["step"] == step
+    epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line)["kind"] == "epoch"]
+    assert epochs[-1]["time/checkpoint_s"] > 0 and summary["checkpoint_s"] >= epochs[-1]["time/checkpoint_s"]
+
+
+def test_a_host_snapshot_does_not_change_with_the_live_tensors():
+    from trainer.checkpoint import to_host
+    live = {"w": torch.zeros(3), "nested": [torch.ones(2), (torch.zeros(1), 5)], "n": 1}
+    snap = to_host(live)
+    live["w"].add_(1), live["nested"][0].add_(1), live["nested"][1][0].add_(1)
+    assert torch.equal(snap["w"], torch.zeros(3)) and torch.equal(snap["nested"][0], torch.ones(2))
+    assert torch.equal(snap["nested"][1][0], torch.zeros(1)) and snap["nested"][1][1] == 5 and snap["n"] == 1
