@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import itertools
 import json
 import os
 import platform
@@ -151,14 +152,14 @@ def count_host_syncs(device: Any):
         yield caught
         return
     sync(device)
-    with warnings.catch_warnings(record=True) as records:
+    with warnings.catch_warnings(record=True) as records:  # also records the comm thread's warnings
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield caught
-            sync(device)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    sync(device)
     caught += [w for w in records if "synchroniz" in str(w.message)]
 
 
@@ -716,9 +717,9 @@ def check_lars(device: Any) -> list[Row]:
     n = sum(int(torch.Size(s).numel()) for s in shapes)
     ranged = " and a trust-ratio range" if len(options) > 4 else ""
     return [Row("FusedLARS", verdict(worst <= 1e-5),
-                f"{len(shapes)} tensors ({n / 1e6:.1f} M, float32), {steps} steps x nesterov x trust_clip{ranged}: max "
-                f"relative difference from the per-tensor loop {worst:.1e} (limit 1e-5); step {times['fused']:.2f} ms vs "
-                f"loop {times['loop']:.2f} ms ({times['loop'] / times['fused']:.1f}x)",
+                f"{len(shapes)} tensors ({n / 1e6:.1f} M, float32), {steps} steps x nesterov x trust_clip{ranged}: "
+                f"max relative difference from the per-tensor loop {worst:.1e} (limit 1e-5); step "
+                f"{times['fused']:.2f} ms vs loop {times['loop']:.2f} ms ({times['loop'] / times['fused']:.1f}x)",
                 {"max_rel_diff": worst, "ms": times["fused"], "loop_ms": times["loop"]})]
 
 
@@ -859,20 +860,21 @@ def check_train_transformer(device: Any) -> list[Row]:
     fused = bool(optimizer.defaults.get("fused"))
     gen = torch.Generator().manual_seed(1)
 
-    def batches() -> Any:
-        while True:
-            src = torch.randint(4, vocab, (sentences, length), generator=gen)
-            tgt = torch.randint(4, vocab, (sentences, length - 1), generator=gen)
-            src[:, -1] = EOS
-            bos, eos = torch.full((sentences, 1), BOS), torch.full((sentences, 1), EOS)
-            yield TranslationBatch(src, torch.cat([bos, tgt], 1), torch.cat([tgt, eos], 1)).to(device)
+    def batch() -> Any:
+        src = torch.randint(4, vocab, (sentences, length), generator=gen)
+        tgt = torch.randint(4, vocab, (sentences, length - 1), generator=gen)
+        src[:, -1] = EOS
+        bos, eos = torch.full((sentences, 1), BOS), torch.full((sentences, 1), EOS)
+        return TranslationBatch(src, torch.cat([bos, tgt], 1), torch.cat([tgt, eos], 1)).to(device)
+
+    pool = [batch() for _ in range(4)]  # made before the clock starts, on the device
 
     train_cfg = TrainConfig(epochs=1, amp="fp16" if gpu else "off", loss_scale="dynamic")
     with one_rank_world(device) as topo, tempfile.TemporaryDirectory() as log_dir:
         comm = one_rank_communicator("topk", model, topo, bucket_mb=25.0, density=0.01)
         trainer = _trainer(train_cfg, optim_cfg, topo, model, _TokenTask(model, cfg.label_smoothing), optimizer,
                            comm, log_dir)
-        r = _train_steps(trainer, batches(), device, warmup=3 if gpu else 0, timed=10 if gpu else 2,
+        r = _train_steps(trainer, itertools.cycle(pool), device, warmup=3 if gpu else 0, timed=10 if gpu else 2,
                          units=lambda b: sentences * length)
         comm.detach()
     ok = r["loss"] == r["loss"] and r["skipped"] < r["steps"] and (fused or not gpu)
@@ -970,7 +972,9 @@ def run_one(name: str, device_name: str, result_file: str) -> int:
 
             if device_name == "auto":
                 device_name = "cuda" if torch.cuda.is_available() else "cpu"
-            rows = spec.fn(torch.device(device_name))
+            # with an index: init_process_group(device_id=...) and the comm thread's set_device need one
+            cuda = device_name == "cuda" and torch.cuda.is_available()
+            rows = spec.fn(torch.device("cuda", 0) if cuda else torch.device(device_name))
     except Skip as reason:
         rows = [Row(name, "SKIP", str(reason))]
     except Exception as err:  # noqa: BLE001 - the check's failure is its result
@@ -1062,8 +1066,9 @@ def main(argv: list[str] | None = None) -> int:
     machine["device"] = device
     counts = {k.lower(): sum(r["result"] == k for r in rows) for k in RESULTS}
     gpus = machine.get("gpus") or []
-    print(f"\nGPU check on {', '.join(gpus) if gpus and machine['device'] == 'cuda' else 'the CPU (dry run)'}: "
-          f"{time.perf_counter() - start:.0f} s, {counts['pass']} PASS, {counts['fail']} FAIL, {counts['skip']} SKIP")
+    where = (", ".join(gpus) or "no CUDA device") if device == "cuda" else "the CPU (dry run)"
+    print(f"\nGPU check on {where}: {time.perf_counter() - start:.0f} s, {counts['pass']} PASS, {counts['fail']} FAIL, "
+          f"{counts['skip']} SKIP")
     print_table(rows)
     print(json.dumps({"bench": "gpu_check", "rows": rows, **counts, "machine": machine}), flush=True)
     return 1 if counts["fail"] else 0
