@@ -280,3 +280,27 @@ def test_a_host_snapshot_does_not_change_with_the_live_tensors():
     live["w"].add_(1), live["nested"][0].add_(1), live["nested"][1][0].add_(1)
     assert torch.equal(snap["w"], torch.zeros(3)) and torch.equal(snap["nested"][0], torch.ones(2))
     assert torch.equal(snap["nested"][1][0], torch.zeros(1)) and snap["nested"][1][1] == 5 and snap["n"] == 1
+
+
+# ---------------------------------------------------------------- host syncs of a train step
+
+
+def test_a_loss_scaled_train_step_reads_the_device_once(tmp_path, monkeypatch):
+    """One host read per step: the scaler's own inf check. The scale is never read back (on CUDA every
+    `.item()` waits for the whole step)."""
+    model = Params()
+    topo = Topology()
+    comm = build_communicator(CommConfig(), model, topo)
+    trainer = Trainer(TrainConfig(loss_scale="dynamic"), ScheduleConfig(), OptimConfig(), LogConfig(dir=str(tmp_path)),
+                      topo, model, LinearTask(model, 0), torch.optim.SGD(model.parameters(), lr=0.1), comm, None, {})
+    trainer.train_step(0)  # the scaler initialises its state on the first step
+    reads: list[str] = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name):
+            reads.append(_name)
+            return _real(self, *args)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    trainer.train_step(1)
+    assert reads == ["item"], reads
