@@ -13,11 +13,11 @@ With `--device cpu`, or `auto` where torch sees no CUDA, it is a dry run of the 
 paths at tiny sizes (seconds each). On one H200 the whole run must end within 8 minutes: `--budget-s`
 bounds it, and a check that cannot start in the time left is a FAIL. A new GPU path adds its check here.
 
-The checks: preflight (versions, compute capability against torch's arch list), mstopk (Triton MSTopK
-against torch.topk and the reference at the communicator's sizes, from a worker thread on a side stream,
-host syncs), communicators (dense / topk / hitopk over NCCL on the GPUs present), FusedLARS (against the
-per-tensor loop on ResNet-50's 161 tensors), train resnet50 and train transformer (training steps on
-synthetic data through the trainer's own step), DALI mixed decode.
+The checks (names for --only): preflight (versions, compute capability against torch's arch list), mstopk
+(Triton MSTopK against torch.topk and the reference at the communicator's sizes, from a worker thread on a
+side stream, host syncs), communicators (dense / topk / hitopk over NCCL on the GPUs present), lars
+(FusedLARS against the per-tensor loop on ResNet-50's 161 tensors), train-resnet50 and train-transformer
+(the trainer's own step on synthetic data: throughput, memory, host syncs), dali (DALI's mixed decoding).
 """
 
 from __future__ import annotations
@@ -262,31 +262,13 @@ def _package_version(name: str) -> str:
         return "absent"
 
 
-def arch_support(capability: tuple[int, int], arch_list: list[str]) -> str | None:
-    """How torch's build runs on a GPU of `capability`: its own sm_XY binary, a binary of the same major
-    with a lower minor (binary compatible), or PTX of a lower capability (JIT-compiled); None = it cannot."""
-    major, minor = capability
-    best = None
-    for arch in arch_list:
-        kind, _, digits = arch.partition("_")
-        digits = digits.rstrip("af")
-        if not digits.isdigit() or len(digits) < 2:
-            continue
-        a_major, a_minor = int(digits[:-1]), int(digits[-1])
-        if kind == "sm" and (a_major, a_minor) == (major, minor):
-            return f"its own binary ({arch})"
-        if kind == "sm" and a_major == major and a_minor < minor and not arch.endswith(("a", "f")):
-            best = best or f"the {arch} binary (same major)"
-        if kind == "compute" and (a_major, a_minor) <= (major, minor):
-            best = best or f"PTX {arch}, JIT-compiled at first use"
-    return best
-
-
 @check("preflight", timeout_s=90)
 def check_preflight(device: Any) -> list[Row]:
-    """Versions of everything the GPU paths use; each GPU's compute capability against torch's arch list,
-    and a kernel run on it."""
+    """Versions of everything the GPU paths use; each GPU's compute capability against torch's arch list
+    (trainer.devices, the test the recipes make before they start), and a kernel run on it."""
     import torch
+
+    from trainer.devices import arch_supported, cuda_problem
 
     cuda = torch.cuda.is_available()
     MACHINE["device"] = device.type
@@ -303,20 +285,18 @@ def check_preflight(device: Any) -> list[Row]:
     MACHINE.update(versions, cuda_available=cuda, gpus=gpus, arch_list=torch.cuda.get_arch_list() if cuda else [])
     rows = [Row("preflight versions", "PASS", ", ".join(f"{k} {v}" for k, v in versions.items()), versions)]
     if device.type != "cuda" or not cuda:
-        reason = "no CUDA device (torch.cuda.is_available() is False)" if not cuda else "--device cpu (dry run)"
-        return rows + [Row("compute capability", "SKIP", reason)]
+        reason = cuda_problem() if not cuda else "--device cpu (dry run)"
+        return rows + [Row("compute capability", "SKIP", reason or "no CUDA device")]
     arch_list = torch.cuda.get_arch_list()
     for i, name in enumerate(gpus):
         cap = torch.cuda.get_device_capability(i)
-        how = arch_support(cap, arch_list)
+        supported = arch_supported(cap, arch_list)
         MACHINE.setdefault("capability", []).append(f"sm_{cap[0]}{cap[1]}")
-        ran = False
-        if how is not None:
-            ran = float((torch.ones(1024, device=f"cuda:{i}") * 2).sum()) == 2048.0
+        ran = supported and float((torch.ones(1024, device=f"cuda:{i}") * 2).sum()) == 2048.0
         detail = (f"GPU {i} {name}: sm_{cap[0]}{cap[1]}, torch arch list {' '.join(arch_list)}: "
-                  + (f"runs {how}; a kernel ran {'correctly' if ran else 'WRONG'}" if how
-                     else "no binary or PTX for it: torch cannot run kernels on this GPU"))
-        rows.append(Row("compute capability", verdict(how is not None and ran), detail,
+                  + (f"supported; a kernel ran {'correctly' if ran else 'WRONG'}" if supported
+                     else "missing (no sm_ binary, no older compute_ PTX): torch cannot run kernels on this GPU"))
+        rows.append(Row("compute capability", verdict(supported and ran), detail,
                         {"gpu": i, "capability": f"sm_{cap[0]}{cap[1]}"}))
     return rows
 
@@ -676,7 +656,7 @@ def loop_lars(params: Any, lr: float, momentum: float = 0.9, weight_decay: float
                                  max_trust_ratio=max_trust_ratio, lars_exclude=False))
 
 
-@check("FusedLARS", timeout_s=120)
+@check("lars", timeout_s=120)
 def check_lars(device: Any) -> list[Row]:
     """FusedLARS against the per-tensor loop (`loop_lars`) on ResNet-50's 161 tensors (float32, the
     trainer's two groups): 5 steps for each of nesterov x trust_clip (and a trust-ratio range where
@@ -769,7 +749,7 @@ def _step_detail(r: dict, unit: str, gpu: bool) -> str:
             f"scaler, loss {r['loss']:.3f}")
 
 
-@check("train resnet50", timeout_s=240, requires=("torchvision",))
+@check("train-resnet50", timeout_s=240, requires=("torchvision",))
 def check_train_resnet50(device: Any) -> list[Row]:
     """The trainer's own step (Trainer.train_step) on data.backend=synthetic: ResNet-50, AMP fp16 with the
     dynamic loss scaler, channels-last, FusedLARS, the topk communicator over a 1-rank world (MSTopK on its
@@ -833,7 +813,7 @@ class _TokenTask:
 
 
 # torchvision: trainer.translation imports data.translation, and the data package imports its torchvision backend
-@check("train transformer", timeout_s=150, requires=("torchvision",))
+@check("train-transformer", timeout_s=150, requires=("torchvision",))
 def check_train_transformer(device: Any) -> list[Row]:
     """The trainer's step on the Transformer-base of recipes/transformer.py (6+6 layers, d_model 512, a 32k
     shared vocabulary) with AMP fp16 and the loss scaler, fused Adam (kernels.build_adam) and the topk
@@ -898,7 +878,7 @@ def _batches_per_s(loader: Any, epochs: int = 2) -> tuple[list, float]:
     return batches, sum(len(labels) for _, labels in batches) / seconds
 
 
-@check("DALI mixed decode", timeout_s=150, requires=("nvidia.dali",), requires_on={"cpu": ("torchvision",)})
+@check("dali", timeout_s=150, requires=("nvidia.dali",), requires_on={"cpu": ("torchvision",)})
 def check_dali(device: Any) -> list[Row]:
     """DALI `mixed` (nvJPEG) decoding against DALI's CPU decoding on the same files, and each pipeline's
     images/s. The CPU dry run compares DALI's CPU pipeline with the torchvision backend (the same
@@ -1012,8 +992,10 @@ def run_child(name: str, device: str, timeout_s: float) -> tuple[list[Row], dict
 
 
 def print_table(rows: list[dict]) -> None:
+    """check | result | seconds (of the check's subprocess, on its first row) | detail."""
     headers = ("check", "result", "seconds", "detail")
-    cells = [(r["check"], r["result"], f"{r['seconds']:.1f}", r["detail"]) for r in rows]
+    cells = [(r["check"], r["result"], f"{r['seconds']:.1f}" if i == 0 or rows[i - 1]["group"] != r["group"] else "",
+              r["detail"]) for i, r in enumerate(rows)]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers[:-1])]
     print(" | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " | detail")
     print("-+-".join("-" * w for w in widths) + "-+-" + "-" * 6)
@@ -1052,7 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
         left = deadline - time.perf_counter()
         if left < 5:
             rows.append({**asdict(Row(name, "FAIL", f"not run: the {args.budget_s:.0f} s budget (--budget-s) was "
-                                                    "spent by the checks before it")), "seconds": 0.0})
+                                                    "spent by the checks before it")), "group": name, "seconds": 0.0})
             continue
         timeout = min(CHECKS[name].timeout_s, left, args.timeout_s or float("inf"))
         print(f"== {name} (device {device}, timeout {timeout:.0f} s)", file=sys.stderr, flush=True)
@@ -1060,7 +1042,7 @@ def main(argv: list[str] | None = None) -> int:
         machine.update(found)
         if device == "auto":
             device = machine.get("device", "cpu")
-        rows += [{**asdict(r), "seconds": round(seconds, 1)} for r in got]
+        rows += [{**asdict(r), "group": name, "seconds": round(seconds, 1)} for r in got]
         print(f"   {name}: {seconds:.1f} s, " + ", ".join(f"{r.check} {r.result}" for r in got), file=sys.stderr,
               flush=True)
     machine["device"] = device

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.gpu_check import CHECKS, arch_support, missing_module, resnet50_shapes
+from scripts.gpu_check import CHECKS, missing_module, resnet50_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,20 +70,21 @@ def test_the_cpu_dry_run_passes_every_check_it_can_run(tmp_path):
     assert got["mstopk worker thread"] == "PASS" and got["mstopk host syncs"] == "SKIP"  # CUDA syncs only
     if importable("torchvision"):
         assert got["train resnet18 4 @ 32 px"] == got["train transformer-tiny 128 tokens"] == "PASS"
-    assert got.get("DALI mixed decode") == ("PASS" if importable("nvidia.dali") else "SKIP")
+    dali = {r["result"] for r in rows if r["group"] == "dali"}
+    assert dali == ({"PASS"} if importable("nvidia.dali") and importable("torchvision") else {"SKIP"})
     assert "selftest" not in got  # hidden unless named
 
 
 def test_without_dali_the_decode_check_is_a_skip(tmp_path):
     # the whole `nvidia` namespace: a dotted name whose parent is missing must not raise
-    code, rows, _ = gpu_check(tmp_path, "--device", "cpu", "--only", "DALI mixed decode", hidden=("nvidia",))
+    code, rows, _ = gpu_check(tmp_path, "--device", "cpu", "--only", "dali", hidden=("nvidia",))
     (row,) = rows
     assert code == 0 and row["result"] == "SKIP" and "nvidia.dali is not installed" in row["detail"]
 
 
 def test_without_torchvision_its_checks_are_skips(tmp_path):
     needing = [c.name for c in CHECKS.values() if "torchvision" in c.requires + c.requires_on.get("cpu", ())]
-    assert {"train resnet50", "train transformer", "DALI mixed decode"} <= set(needing)
+    assert {"train-resnet50", "train-transformer", "dali"} <= set(needing)
     code, rows, _ = gpu_check(tmp_path, "--device", "cpu", "--only", *needing, hidden=("torchvision",))
     assert code == 0 and [r["result"] for r in rows] == ["SKIP"] * len(needing)
     assert all("torchvision" in r["detail"] or "nvidia.dali" in r["detail"] for r in rows)
@@ -120,11 +121,3 @@ def test_resnet50_shapes_are_torchvisions():
         model = torchvision.models.resnet50()
     assert resnet50_shapes() == [tuple(p.shape) for p in model.parameters()]
     assert len(resnet50_shapes()) == 161
-
-
-def test_compute_capability_against_the_arch_list():
-    assert arch_support((9, 0), ["sm_80", "sm_90", "sm_100"]) == "its own binary (sm_90)"
-    assert arch_support((9, 0), ["sm_90a"]) == "its own binary (sm_90a)"
-    assert arch_support((8, 6), ["sm_80", "sm_90"]) == "the sm_80 binary (same major)"
-    assert arch_support((12, 0), ["sm_90", "compute_90"]) == "PTX compute_90, JIT-compiled at first use"
-    assert arch_support((9, 0), ["sm_75", "sm_80", "sm_86"]) is None
