@@ -27,7 +27,10 @@ DALI_HINT = "pip install nvidia-dali-cuda130==2.4.0 (requirements.txt), or set d
 
 
 def dali_available() -> bool:
-    return importlib.util.find_spec("nvidia.dali") is not None
+    try:  # find_spec of a dotted name imports its parent: no `nvidia` package at all raises
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def resolve_backend(backend: str) -> str:

@@ -304,3 +304,21 @@ def test_a_loss_scaled_train_step_reads_the_device_once(tmp_path, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counted)
     trainer.train_step(1)
     assert reads == ["item"], reads
+
+
+def test_dali_is_unavailable_without_the_nvidia_package(tmp_path):
+    """`find_spec("nvidia.dali")` imports `nvidia` first: with no such package it must say False, not raise."""
+    import subprocess
+    import sys
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'nvidia' or name.startswith('nvidia.'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Hide())\n")
+    code = "from data import dali_available, resolve_backend; print(dali_available(), resolve_backend('auto'))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:."})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "torchvision"]

@@ -293,10 +293,11 @@ def setup_distributed(cfg: DistConfig) -> Topology:
     per_node = cfg.ranks_per_node or _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", default=world)
     if world % per_node:
         raise ConfigError(f"dist.ranks_per_node: {per_node} does not divide the world size {world}")
+    gpu_index = local_rank  # the launcher's: which GPU of this machine, whatever the emulated layout
     if cfg.ranks_per_node:  # emulated nodes: derive the local rank from the layout
         local_rank = rank % per_node
     backend = resolve_backend(cfg.backend)
-    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", gpu_index % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     topo = Topology(rank=rank, world_size=world, local_rank=local_rank, ranks_per_node=per_node, device=device,
