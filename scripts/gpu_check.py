@@ -657,6 +657,48 @@ def loop_lars(params: Any, lr: float, momentum: float = 0.9, weight_decay: float
                                  max_trust_ratio=max_trust_ratio, lars_exclude=False))
 
 
+@check("determinism", timeout_s=90)
+def check_determinism(device: Any) -> list[Row]:
+    """Sparse sums and the replica guard: every node must apply bitwise the same update."""
+    import torch
+    from torch import nn
+
+    from trainer.comm.sparse import scatter_payloads
+    from trainer.dist import weights_checksum
+
+    require_device(device)
+    gen = torch.Generator().manual_seed(0)
+    parts, k, size = 16, 200_000 if device.type == "cuda" else 20_000, 50_000
+    rows = []
+    for _ in range(parts):  # each payload: distinct indices (as MSTopK returns), colliding across payloads
+        idx = torch.randperm(size, generator=gen)[:min(k, size)].sort().values
+        vals = torch.randn(idx.numel(), generator=gen) * torch.randn(idx.numel(), generator=gen).exp()
+        rows.append(torch.cat([vals, idx.to(torch.int32).view(torch.float32)]))
+    payloads = torch.cat(rows).to(device)
+    results = [scatter_payloads(payloads, parts, size) for _ in range(5)]
+    same = all(torch.equal(results[0], r) for r in results[1:])
+    flat = payloads.view(parts, 2, -1)
+    one_call = []
+    for _ in range(5):  # the single index_add_ over every payload that scatter_payloads replaced
+        out = torch.zeros(size, device=device)
+        out.index_add_(0, flat[:, 1].contiguous().view(torch.int32).reshape(-1).long(), flat[:, 0].reshape(-1))
+        one_call.append(out)
+    distinct = len({bytes(o.cpu().numpy().tobytes()) for o in one_call})
+    out = [Row("sparse sums deterministic", verdict(same),
+               f"{parts} payloads x {flat.shape[2]:,} pairs into {size:,}: 5 runs bitwise equal {same} "
+               f"(one index_add_ over all payloads: {distinct} distinct result(s) in 5 runs)")]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 10)).to(device)
+    before = weights_checksum(model)
+    with torch.no_grad():
+        w = model[1].weight
+        w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(1.0, device=device))
+    after = weights_checksum(model)
+    ok = bool(before != after) and before.device == w.device
+    out.append(Row("replica checksum", verdict(ok), f"on {before.device}: one ulp changes the checksum {ok}"))
+    return out
+
+
 @check("lars", timeout_s=120)
 def check_lars(device: Any) -> list[Row]:
     """FusedLARS against the per-tensor loop (`loop_lars`) on ResNet-50's 161 tensors (float32, the
