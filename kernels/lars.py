@@ -299,3 +299,73 @@ class FusedLARS(Optimizer):
         else:
             torch._foreach_add_(params, bufs, alpha=-lr)
         return unclipped
+
+
+# ---------------------------------------------------------------- reference
+
+
+class LARSReference(Optimizer):
+    r"""FusedLARS's update written plainly, one tensor at a time: the independent check of its paths.
+
+    The same formula, options, param groups (``lars_exclude``), ``state[p]["momentum_buffer"]`` and
+    `step_metrics` as FusedLARS (see its docstring), with each line of the formula one torch op on
+    one tensor: nothing batched, fused or blocked. Tests, the optimizer benchmark (as its per-tensor
+    baseline, the way timm.optim.Lars is written) and the GPU check compare FusedLARS with it. It
+    reads no value back to the host during a step; `step_metrics` does.
+    """
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float,
+                 momentum: float = 0.9, weight_decay: float = 0.0,
+                 trust_coefficient: float = 0.001, eps: float = 1e-8, nesterov: bool = False,
+                 trust_clip: bool = False, min_trust_ratio: float = 0.0,
+                 max_trust_ratio: float | None = None) -> None:
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      trust_coefficient=trust_coefficient, eps=eps,
+                                      nesterov=nesterov, trust_clip=trust_clip,
+                                      min_trust_ratio=min_trust_ratio,
+                                      max_trust_ratio=max_trust_ratio, lars_exclude=False))
+        # The last step's trust ratios before the [min, max] clip, each with its group's bounds.
+        self._ratios: list[tuple[Tensor, float, float | None]] = []
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._ratios = []
+        for group in self.param_groups:
+            for w in group["params"]:
+                if w.grad is None:
+                    continue
+                state = self.state[w]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(w)
+                self._update(group, w, w.grad, state["momentum_buffer"])
+        return loss
+
+    def _update(self, group: dict[str, Any], w: Tensor, g: Tensor, m: Tensor) -> None:
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        if group["lars_exclude"]:
+            d = g
+        else:
+            w_norm, g_norm = w.norm(), g.norm()
+            ratio = group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm + group["eps"])
+            ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
+            if group["trust_clip"]:
+                ratio = torch.clamp(ratio / lr, max=1.0)
+            lo, hi = group["min_trust_ratio"], group["max_trust_ratio"]
+            self._ratios.append((ratio, lo, hi))
+            ratio = torch.clamp(ratio, min=lo, max=hi)
+            d = (g + wd * w) * ratio
+        m.mul_(mu).add_(d)
+        w.sub_(lr * (d + mu * m if group["nesterov"] else m))
+
+    def step_metrics(self) -> dict[str, Tensor]:
+        """FusedLARS.step_metrics, counted one ratio at a time on the host."""
+        layers = len(self._ratios)
+        above = sum(hi is not None and ratio.item() > hi for ratio, _, hi in self._ratios)
+        below = sum(ratio.item() < lo for ratio, lo, _ in self._ratios)
+        device = self.param_groups[0]["params"][0].device
+        return {"optim/lars_clipped_max_fraction": torch.tensor(above / max(layers, 1), device=device),
+                "optim/lars_clipped_min_fraction": torch.tensor(below / max(layers, 1), device=device)}

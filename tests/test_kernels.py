@@ -15,6 +15,7 @@ import torch
 
 import kernels.lars as lars_module
 from kernels import FusedLARS, _native, build_adam, mstopk, mstopk_reference
+from kernels.lars import LARSReference
 
 mstopk_module = importlib.import_module("kernels.mstopk")  # kernels.mstopk is also the function
 
@@ -189,36 +190,9 @@ def test_triton_kernels_match_reference_in_interpreter() -> None:
 # ---------------------------------------------------------------- FusedLARS
 
 
-def reference_lars(params, grads_per_step, groups, lrs, momenta, clipped=None):
-    """A plain per-tensor loop of the formula in FusedLARS's docstring; `clipped`, a dict, gets the
-    last step's share of LARS tensors clipped to the max and to the min."""
-    bufs = [torch.zeros_like(p) for p in params]
-    for step, grads in enumerate(grads_per_step):
-        lr, mu = lrs[step], momenta[step]
-        above = below = layers = 0
-        for i, (w, g) in enumerate(zip(params, grads)):
-            opt = groups[i]
-            if opt["lars_exclude"]:
-                d = g.clone()
-            else:
-                wd = opt["weight_decay"]
-                w_norm, g_norm = w.norm().item(), g.norm().item()
-                ratio = 1.0
-                if w_norm > 0 and g_norm > 0:
-                    ratio = opt["trust_coefficient"] * w_norm / (g_norm + wd * w_norm + opt["eps"])
-                if opt["trust_clip"]:
-                    ratio = min(ratio / lr, 1.0)
-                lo, hi = opt.get("min_trust_ratio", 0.0), opt.get("max_trust_ratio")
-                hi = float("inf") if hi is None else hi
-                layers, above, below = layers + 1, above + (ratio > hi), below + (ratio < lo)
-                ratio = min(max(ratio, lo), hi)
-                d = (g + wd * w) * ratio
-            bufs[i] = mu * bufs[i] + d
-            w -= lr * (d + mu * bufs[i] if opt["nesterov"] else bufs[i])
-        if clipped is not None:
-            clipped.update({"optim/lars_clipped_max_fraction": above / layers,
-                            "optim/lars_clipped_min_fraction": below / layers})
-    return params
+def clipped_shares(opt: FusedLARS | LARSReference) -> dict[str, float]:
+    """The last step's shares of LARS tensors clipped to the max and to the min, as floats."""
+    return {k: v.item() for k, v in opt.step_metrics().items()}
 
 
 def lars_problem(seed: int = 0):
@@ -258,12 +232,12 @@ def test_fused_lars_matches_per_tensor_reference(nesterov: bool, trust_clip: boo
     lrs = [0.5 * (1 + s) / 20 for s in range(20)]  # a warm-up schedule
     momenta = [0.9 + 0.004 * s for s in range(20)]  # cyclic-momentum-like
 
-    weights, opt = run_fused_lars(params, grads, [g["lars_exclude"] for g in groups], lrs, momenta, **options)
-    clipped = {}
-    expected = reference_lars([p.clone() for p in params], grads, groups, lrs, momenta, clipped)
-    assert {k: v.item() for k, v in opt.step_metrics().items()} == pytest.approx(clipped)
+    excluded = [g["lars_exclude"] for g in groups]
+    weights, opt = run_lars(FusedLARS, params, grads, excluded, lrs, momenta, **options)
+    expected, reference = run_lars(LARSReference, params, grads, excluded, lrs, momenta, **options)
+    assert clipped_shares(opt) == pytest.approx(clipped_shares(reference))
     for w, e, p in zip(weights, expected, params):
-        torch.testing.assert_close(w.detach(), e, rtol=1e-6, atol=1e-12)
+        torch.testing.assert_close(w.detach(), e.detach(), rtol=1e-6, atol=1e-12)
     for i in (0, 2, 4):  # the updates are not negligible, so the comparison means something
         assert (weights[i] - params[i]).abs().max() > 1e-3
 
@@ -283,14 +257,14 @@ def kernel_lars_problem() -> tuple[list[torch.Tensor], list[list[torch.Tensor]],
     return ([p.float() for p in params], [[g.float() for g in step] for step in grads], excluded)
 
 
-def run_fused_lars(params: list[torch.Tensor], grads: list[list[torch.Tensor]],
-                   excluded: list[bool], lrs: list[float], momenta: list[float],
-                   frozen: tuple[torch.nn.Parameter, ...] = (), **options
-                   ) -> tuple[list[torch.nn.Parameter], FusedLARS]:
-    """FusedLARS over copies of params for len(grads) steps, with a schedule of lr and momentum;
-    `frozen` parameters (grad None) join the first group."""
+def run_lars(cls: type[FusedLARS] | type[LARSReference], params: list[torch.Tensor],
+             grads: list[list[torch.Tensor]], excluded: list[bool], lrs: list[float],
+             momenta: list[float], frozen: tuple[torch.nn.Parameter, ...] = (), **options
+             ) -> tuple[list[torch.nn.Parameter], FusedLARS | LARSReference]:
+    """`cls` (FusedLARS or LARSReference) over copies of params for len(grads) steps, with a
+    schedule of lr and momentum; `frozen` parameters (grad None) join the first group."""
     weights = [torch.nn.Parameter(p.clone()) for p in params]
-    opt = FusedLARS([{"params": [*frozen, *(w for w, e in zip(weights, excluded) if not e)]},
+    opt = cls([{"params": [*frozen, *(w for w, e in zip(weights, excluded) if not e)]},
                      {"params": [w for w, e in zip(weights, excluded) if e],
                       "lars_exclude": True}], lr=lrs[0], **options)
     for step, g in enumerate(grads):
@@ -309,14 +283,12 @@ def assert_matches_reference(weights: list[torch.nn.Parameter], params: list[tor
     """float32 results within 1e-6 of each tensor's largest value of the float64 reference: 20
     float32 roundings of w stay near 1e-7 relative, and elements near 0 get the tensor's scale.
     The last step's clipped shares are the reference's (no ratio lies near a bound)."""
-    groups = [{**options, "lars_exclude": e} for e in excluded]
-    clipped = {}
-    expected = reference_lars([p.to(torch.float64, copy=True) for p in params],  # updated in place
-                              [[g.double() for g in s] for s in grads],
-                              groups, lrs, momenta, clipped)
-    assert {k: v.item() for k, v in opt.step_metrics().items()} == pytest.approx(clipped)
+    expected, reference = run_lars(LARSReference, [p.double() for p in params],
+                                   [[g.double() for g in s] for s in grads], excluded, lrs, momenta,
+                                   **options)
+    assert clipped_shares(opt) == pytest.approx(clipped_shares(reference))
     for w, e, p in zip(weights, expected, params):
-        torch.testing.assert_close(w.detach().double(), e, rtol=1e-6,
+        torch.testing.assert_close(w.detach().double(), e.detach(), rtol=1e-6,
                                    atol=1e-6 * e.abs().max().item())
         assert (w - p).abs().max() > 1e-4  # every tensor moved: the comparison means something
 
@@ -348,7 +320,7 @@ def test_fused_lars_compiled_cpu_path_matches_reference(nesterov: bool, trust_cl
     momenta = [0.9 + 0.004 * s for s in range(20)]  # cyclic-momentum-like
     frozen = torch.nn.Parameter(torch.ones(7))  # grad None: skipped, no state
     try:
-        weights, opt = run_fused_lars(params, grads, excluded, lrs, momenta, (frozen,), **options)
+        weights, opt = run_lars(FusedLARS, params, grads, excluded, lrs, momenta, (frozen,), **options)
     finally:
         torch.set_num_threads(previous_threads)
     assert torch.equal(frozen, torch.ones(7)) and frozen not in opt.state
@@ -378,13 +350,13 @@ def test_fused_lars_mixed_and_fallback_tensors_match_reference(clip: dict, monke
     monkeypatch.setattr(lars_module, "_kernel_step", counting("kernel", lars_module._kernel_step))
     monkeypatch.setattr(FusedLARS, "_foreach_step",  # the bound classmethod, called unbound
                         staticmethod(counting("foreach", FusedLARS._foreach_step)))
-    weights, opt = run_fused_lars(params, grads, excluded, lrs, momenta, **options)
+    weights, opt = run_lars(FusedLARS, params, grads, excluded, lrs, momenta, **options)
     assert paths == {"kernel": 5 * 20, "foreach": 2 * 20}
     assert_matches_reference(weights, params, grads, excluded, lrs, momenta, opt, **options)
 
     monkeypatch.setattr(lars_module, "native_library", lambda: None)  # as after a failed build
     paths.update(kernel=0, foreach=0)
-    weights, opt = run_fused_lars(params, grads, excluded, lrs, momenta, **options)
+    weights, opt = run_lars(FusedLARS, params, grads, excluded, lrs, momenta, **options)
     assert paths == {"kernel": 0, "foreach": 7 * 20}
     assert_matches_reference(weights, params, grads, excluded, lrs, momenta, opt, **options)
 
@@ -402,7 +374,8 @@ def test_fused_lars_compiled_path_takes_empty_tensors(exclude: bool) -> None:
     torch.testing.assert_close(w.detach(), torch.full((5,), 0.9))  # ratio 1 (clipped) or none
 
 
-def clip_problem(dtype: torch.dtype) -> tuple[list[torch.nn.Parameter], FusedLARS]:
+def clip_problem(dtype: torch.dtype, cls: type[FusedLARS] | type[LARSReference] = FusedLARS
+                 ) -> tuple[list[torch.nn.Parameter], FusedLARS | LARSReference]:
     """Three LARS tensors w = (3, 4), ||w|| = 5, whose gradients (0.6, 0.8), (0.15, 0.2) and
     (0.375, 0.5) give, with eta 0.1 and no decay or eps, trust ratios 0.5, 2 and 0.8; the range
     [0.6, 1] clips the first to 0.6 (min) and the second to 1 (max). An excluded tensor (1, 1)
@@ -412,18 +385,20 @@ def clip_problem(dtype: torch.dtype) -> tuple[list[torch.nn.Parameter], FusedLAR
                for w in [(3.0, 4.0)] * 3 + [(1.0, 1.0)]]
     for w, g in zip(weights, grads):
         w.grad = torch.tensor(g, dtype=dtype)
-    opt = FusedLARS([{"params": weights[:3]}, {"params": weights[3:], "lars_exclude": True}],
-                    lr=1.0, momentum=0.0, trust_coefficient=0.1, eps=0.0, min_trust_ratio=0.6,
-                    max_trust_ratio=1.0)
+    opt = cls([{"params": weights[:3]}, {"params": weights[3:], "lars_exclude": True}],
+              lr=1.0, momentum=0.0, trust_coefficient=0.1, eps=0.0, min_trust_ratio=0.6,
+              max_trust_ratio=1.0)
     return weights, opt
 
 
-@pytest.mark.parametrize("path", ["foreach", "compiled", "foreach float32"])
+@pytest.mark.parametrize("path", ["foreach", "compiled", "foreach float32", "reference"])
 def test_fused_lars_trust_range_by_hand(path: str, monkeypatch) -> None:
-    """w - lr * clip(ratio, 0.6, 1) * g, worked out by hand for clip_problem's tensors."""
+    """w - lr * clip(ratio, 0.6, 1) * g, worked out by hand for clip_problem's tensors: FusedLARS's
+    paths and the reference the other tests compare them with."""
     if path == "foreach float32":
         monkeypatch.setattr(lars_module, "native_library", lambda: None)
-    weights, opt = clip_problem(torch.float64 if path == "foreach" else torch.float32)
+    weights, opt = clip_problem(torch.float64 if path in ("foreach", "reference") else torch.float32,
+                                LARSReference if path == "reference" else FusedLARS)
     metrics = opt.step_metrics()  # before any step: nothing clipped
     assert {k: v.item() for k, v in metrics.items()} == {
         "optim/lars_clipped_max_fraction": 0.0, "optim/lars_clipped_min_fraction": 0.0}

@@ -1,7 +1,7 @@
 """One optimizer step over ResNet-50's 161 parameter tensors: loop LARS vs FusedLARS vs SGD.
 
-Baseline: LARS as a per-tensor Python loop (the way timm.optim.Lars is written), with the same
-update as kernels.FusedLARS. Floor: torch.optim.SGD(foreach=True) with momentum, the same step
+Baseline: kernels.lars.LARSReference, FusedLARS's update as a per-tensor Python loop (the way
+timm.optim.Lars is written). Floor: torch.optim.SGD(foreach=True) with momentum, the same step
 without norms or trust ratios. Conv/linear weights decay and get trust ratios; BN weights and biases
 (tensors of rank <= 1) form a lars_exclude group. ratio (JSON) = loop ms / FusedLARS ms. On the
 CPU, FusedLARS runs the compiled kernel (kernels/csrc/lars_cpu.cpp) where it builds; the header
@@ -19,46 +19,10 @@ import torchvision
 from torch import Tensor
 
 from kernels import FusedLARS
-from kernels.lars import native_library
+from kernels.lars import LARSReference, native_library
 from scripts.bench.common import bench_parser, emit_result, median_ms, parse_args, print_table
 
 LR, MOMENTUM, WEIGHT_DECAY, TRUST = 0.1, 0.9, 5e-5, 0.001
-
-
-class LoopLARS(torch.optim.Optimizer):
-    """The update of kernels.FusedLARS (see its docstring), one tensor at a time in Python."""
-
-    def __init__(self, params: Any, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
-                 trust_coefficient: float = 0.001, eps: float = 1e-8, nesterov: bool = False,
-                 trust_clip: bool = False) -> None:
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      trust_coefficient=trust_coefficient, eps=eps,
-                                      nesterov=nesterov, trust_clip=trust_clip,
-                                      lars_exclude=False))
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for group in self.param_groups:
-            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                d = p.grad
-                if not group["lars_exclude"]:
-                    w_norm, g_norm = p.norm(), d.norm()
-                    ratio = group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm
-                                                                   + group["eps"])
-                    ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, torch.ones_like(ratio))
-                    if group["trust_clip"]:
-                        ratio = torch.clamp(ratio / lr, max=1.0)
-                    d = d.add(p, alpha=wd).mul_(ratio)
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = d.clone()
-                else:
-                    state["momentum_buffer"].mul_(mu).add_(d)
-                buf = state["momentum_buffer"]
-                p.add_(d.add(buf, alpha=mu) if group["nesterov"] else buf, alpha=-lr)
 
 
 def parameter_groups(model: torch.nn.Module, device: str) -> tuple[list[Tensor], list[Tensor]]:
@@ -77,8 +41,8 @@ def lars_groups(decayed: list[Tensor], excluded: list[Tensor]) -> list[dict[str,
 
 
 OPTIMIZERS: dict[str, Callable[[list[Tensor], list[Tensor]], torch.optim.Optimizer]] = {
-    "per-tensor loop LARS": lambda d, e: LoopLARS(lars_groups(d, e), LR, MOMENTUM, WEIGHT_DECAY,
-                                                  TRUST, trust_clip=True),
+    "per-tensor loop LARS": lambda d, e: LARSReference(lars_groups(d, e), LR, MOMENTUM,
+                                                       WEIGHT_DECAY, TRUST, trust_clip=True),
     "FusedLARS": lambda d, e: FusedLARS(lars_groups(d, e), LR, MOMENTUM, WEIGHT_DECAY, TRUST,
                                         trust_clip=True),
     "SGD foreach (floor)": lambda d, e: torch.optim.SGD(
