@@ -163,15 +163,6 @@ def count_host_syncs(device: Any):
     caught += [w for w in records if "synchroniz" in str(w.message)]
 
 
-def gradient_like(n: int, device: Any, seed: int) -> Any:
-    """Heavy-tailed like real gradients: a normal scaled by a log-normal, made on the CPU (the same values on
-    every device)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, generator=gen) * torch.randn(n, generator=gen).exp()).to(device)
-
-
 def resnet50_shapes(width: int = 64, num_classes: int = 1000) -> list[tuple[int, ...]]:
     """The parameter shapes of torchvision's ResNet-50 in registration order (161 tensors, 25,557,032
     elements at width 64); `width` scales every stage's channels (the CPU dry run's smaller copy)."""
@@ -207,7 +198,7 @@ def one_rank_world(device: Any):
 
     import torch.distributed as dist
 
-    from trainer.dist import Group, Topology
+    from trainer.dist import Topology, TorchGroup
 
     cuda = device.type == "cuda"
     with tempfile.TemporaryDirectory() as tmp:
@@ -216,7 +207,7 @@ def one_rank_world(device: Any):
         try:
             topo = Topology(rank=0, world_size=1, local_rank=0, ranks_per_node=1, device=device,
                             backend="nccl" if cuda else "gloo")
-            topo.world = Group(None, 0, datetime.timedelta(seconds=120))
+            topo.world = TorchGroup(None, 0, datetime.timedelta(seconds=120))
             yield topo
         finally:
             dist.destroy_process_group()
@@ -226,14 +217,15 @@ def one_rank_communicator(kind: str, model: Any, topo: Any, bucket_mb: float, de
                           dense_below: int = 16384) -> Any:
     """`kind` over a 1-rank world: dense; topk (this rank's own top-k, allgathered among 1); hitopk (the one
     rank is a node of its own: dense reduce-scatter and allgather, nothing selected)."""
+    from trainer.comm import CommConfig
     from trainer.comm.dense import DenseAllreduce
-    from trainer.comm.sparse import SparseAllgather
+    from trainer.comm.sparse import TopKCommunicator
 
     if kind == "dense":
         return DenseAllreduce(model, topo, bucket_mb)
     intra, inter = (None, topo.world) if kind == "topk" else (topo.world, None)
-    return SparseAllgather(model=model, topo=topo, bucket_mb=bucket_mb, density=density, dense_below=dense_below,
-                           dense_warmup_steps=0, intra=intra, inter=inter)
+    cfg = CommConfig(kind=kind, bucket_mb=bucket_mb, density=density, dense_below=dense_below)
+    return TopKCommunicator(cfg, model, topo, intra=intra, inter=inter)
 
 
 # ---------------------------------------------------------------- preflight
@@ -313,6 +305,7 @@ def check_mstopk(device: Any) -> list[Row]:
     import torch
 
     from kernels import mstopk, mstopk_reference
+    from kernels.testing import gradient_like
 
     require_device(device)
     gpu = device.type == "cuda"
@@ -321,7 +314,7 @@ def check_mstopk(device: Any) -> list[Row]:
     repeats = 5 if gpu else 2
     rows = []
     for seed, (n, k) in enumerate(sizes):
-        x = gradient_like(n, device, seed)
+        x = gradient_like(n, seed, device)
         values, indices = mstopk(x, k)
         exact_k = (indices.numel() == k and indices.unique().numel() == k
                    and bool(torch.equal(values, x[indices])))
@@ -350,7 +343,9 @@ def _mstopk_side_stream(device: Any, n: int, k: int, mstopk: Callable) -> Row:
 
     import torch
 
-    x = gradient_like(n, device, seed=7)
+    from kernels.testing import gradient_like
+
+    x = gradient_like(n, 7, device)
     expected = mstopk(x, k)
     gpu = device.type == "cuda"
     side = torch.cuda.Stream(device) if gpu else None
@@ -387,7 +382,9 @@ def _mstopk_side_stream(device: Any, n: int, k: int, mstopk: Callable) -> Row:
 def _mstopk_host_syncs(device: Any, n: int, k: int, mstopk: Callable) -> Row:
     if device.type != "cuda":
         return Row("mstopk host syncs", "SKIP", "torch.cuda.set_sync_debug_mode counts CUDA syncs only")
-    x = gradient_like(n, device, seed=8)
+    from kernels.testing import gradient_like
+
+    x = gradient_like(n, 8, device)
     mstopk(x, k)  # compiled and warm
     with count_host_syncs(device) as syncs:
         mstopk(x, k)
@@ -400,7 +397,9 @@ def _mstopk_host_syncs(device: Any, n: int, k: int, mstopk: Callable) -> Row:
 def _mstopk_guards(device: Any, mstopk: Callable, reference: Callable) -> Row:
     import torch
 
-    x = gradient_like(100_000, device, seed=1)
+    from kernels.testing import gradient_like
+
+    x = gradient_like(100_000, 1, device)
     cases = {"all zero": (torch.zeros(50_000, device=device), 100),
              "ties at max": (torch.tensor([1.0, -5.0, 0.5, 5.0, 5.0], device=device), 2),
              "fallback": (x, 60_000), "float16": (x.half(), 1_000), "bfloat16": (x.bfloat16(), 1_000)}
@@ -477,7 +476,7 @@ def _comm_rank(rank: int, world: int, store: str, device_type: str, results: Any
     import torch.distributed as dist
 
     from trainer.comm import CommConfig, build_communicator
-    from trainer.dist import Group, Topology, node_layout
+    from trainer.dist import Topology, TorchGroup, node_layout
 
     try:
         gpu = device_type == "cuda"
@@ -511,12 +510,13 @@ def _comm_rank(rank: int, world: int, store: str, device_type: str, results: Any
             else:
                 topo = Topology(rank=rank, world_size=world, local_rank=rank % per_node, ranks_per_node=per_node,
                                 device=device, backend=backend)
-                topo.world = Group(None, rank, timeout)
+                topo.world = TorchGroup(None, rank, timeout)
                 if 1 < per_node < world:
                     nodes, peers = node_layout(world, per_node)
                     intra, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend=backend)
                     inter, _ = dist.new_subgroups_by_enumeration(peers, timeout=timeout, backend=backend)
-                    topo.intra_node, topo.inter_node = Group(intra, rank, timeout), Group(inter, rank, timeout)
+                    topo.intra_node = TorchGroup(intra, rank, timeout)
+                    topo.inter_node = TorchGroup(inter, rank, timeout)
                 else:
                     topo.inter_node = topo.world
             out: dict[str, dict] = {}
@@ -627,6 +627,7 @@ def check_determinism(device: Any) -> list[Row]:
     import torch
     from torch import nn
 
+    from kernels.testing import gradient_like
     from trainer.comm.sparse import scatter_payloads
     from trainer.dist import weights_checksum
 
@@ -634,16 +635,16 @@ def check_determinism(device: Any) -> list[Row]:
     gen = torch.Generator().manual_seed(0)
     parts, k, size = 16, 200_000 if device.type == "cuda" else 20_000, 50_000
     rows = []
-    for _ in range(parts):  # each payload: distinct indices (as MSTopK returns), colliding across payloads
+    for part in range(parts):  # each payload: distinct indices (as MSTopK returns), colliding across payloads
         idx = torch.randperm(size, generator=gen)[:min(k, size)].sort().values
-        vals = torch.randn(idx.numel(), generator=gen) * torch.randn(idx.numel(), generator=gen).exp()
+        vals = gradient_like(idx.numel(), seed=1 + part)
         rows.append(torch.cat([vals, idx.to(torch.int32).view(torch.float32)]))
     payloads = torch.cat(rows).to(device)
     results = [scatter_payloads(payloads, parts, size) for _ in range(5)]
     same = all(torch.equal(results[0], r) for r in results[1:])
     flat = payloads.view(parts, 2, -1)
     one_call = []
-    for _ in range(5):  # the single index_add_ over every payload that scatter_payloads replaced
+    for _ in range(5):  # one index_add_ over every payload at once: its order of additions may vary
         out = torch.zeros(size, device=device)
         out.index_add_(0, flat[:, 1].contiguous().view(torch.int32).reshape(-1).long(), flat[:, 0].reshape(-1))
         one_call.append(out)

@@ -16,16 +16,11 @@ import torch
 import kernels.lars as lars_module
 from kernels import FusedLARS, _native, build_adam, mstopk, mstopk_reference
 from kernels.lars import LARSReference
+from kernels.testing import gradient_like
 
 mstopk_module = importlib.import_module("kernels.mstopk")  # kernels.mstopk is also the function
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def gradient_like(n: int, seed: int = 0) -> torch.Tensor:
-    """Heavy-tailed like real gradients: a normal scaled by a log-normal."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=gen) * torch.randn(n, generator=gen).exp()
 
 
 def recall(indices: torch.Tensor, x: torch.Tensor, k: int) -> float:
@@ -158,10 +153,7 @@ TRITON_SCRIPT = textwrap.dedent("""
     import torch
     from kernels.mstopk import mstopk_reference
     from kernels.mstopk_triton import mstopk_triton
-
-    def gradient_like(n, seed):
-        gen = torch.Generator().manual_seed(seed)
-        return torch.randn(n, generator=gen) * torch.randn(n, generator=gen).exp()
+    from kernels.testing import gradient_like
 
     cases = [(gradient_like(20_000, 0), 20, 20), (gradient_like(20_000, 1), 2_000, 20),
              (gradient_like(9_000, 2), 90, 7), (gradient_like(9_000, 3), 6_000, 20),

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torchvision
 
+from kernels.testing import gradient_like
 from scripts.bench.common import bench_parser, emit_result, parse_args, print_table
 from trainer.comm import CommConfig, build_communicator
 from trainer.dist import DistConfig, setup_distributed, teardown_distributed
@@ -44,12 +45,11 @@ def _rank(rank: int, store: str, steps: int, density: float, arch: str, results:
     torch.set_num_threads(1)  # 4 processes share the 2 cores
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD)
     topo = setup_distributed(DistConfig(ranks_per_node=PER_NODE, timeout_s=600))
-    gen = torch.Generator().manual_seed(rank)
     out = {}
     for name, overrides in KINDS.items():
         model = getattr(torchvision.models, arch)()
         params = list(model.parameters())
-        grads = [torch.randn(p.shape, generator=gen) * torch.randn(p.shape, generator=gen).exp() for p in params]
+        grads = [gradient_like(p.shape, seed=WORLD * i + rank) for i, p in enumerate(params)]  # per rank
         comm = None
         if overrides is not None:
             comm = build_communicator(CommConfig(**overrides, density=density, bucket_mb=25.0), model, topo)

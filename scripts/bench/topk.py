@@ -15,16 +15,11 @@ from typing import Any, Sequence
 import torch
 
 from kernels import mstopk, mstopk_reference
+from kernels.testing import gradient_like
 from scripts.bench.common import bench_parser, emit_result, median_ms, parse_args, print_table
 
 RESNET50_PARAMS = 25_557_032
 DENSITIES = (0.001, 0.01)
-
-
-def gradient_like(n: int, device: str, seed: int = 0) -> torch.Tensor:
-    """Heavy-tailed like real gradients: a normal scaled by a log-normal."""
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, generator=gen) * torch.randn(n, generator=gen).exp()).to(device)
 
 
 def share(indices: torch.Tensor, of: torch.Tensor) -> float:
@@ -35,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(bench_parser("topk", __doc__.splitlines()[0]), argv)
     n = 1_000_000 if args.quick else RESNET50_PARAMS
     repeats = 3 if args.quick else 5
-    x = gradient_like(n, args.device)
+    x = gradient_like(n, device=args.device)
     rows, per_density = [], {}
     for density in DENSITIES:
         k = int(n * density)
