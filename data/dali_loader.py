@@ -10,8 +10,9 @@ crop windows) runs on a prefetch thread, up to `prefetch_batches` batches ahead 
 overlaps the training step instead of stalling it; DALI's callback on the training thread only takes the
 finished batch. A thread, not DALI's parallel external source (worker processes): the readers' verdicts,
 transcoded replacements, skip counts and cache counters must stay in this process, where the recheck
-after a decode error and `stats()` read them, and forked workers would have to start before CUDA is
-initialized, which a pipeline rebuilt per phase or after a decode error cannot do.
+after a decode error and `stats()` read them; forked workers would have to start before CUDA is
+initialized, which a pipeline rebuilt per phase or after a decode error cannot do, and spawned ones would
+need the readers' open files and mappings pickled.
 """
 
 from __future__ import annotations
