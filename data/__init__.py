@@ -51,7 +51,7 @@ def build_image_data(cfg: DataConfig, rank: int, world_size: int, seed: int,
         return SyntheticImageData(cfg, rank, world_size, seed, device)
     if backend == "dali":
         from data.dali_loader import DaliImageData  # imports DALI: only when it is used
-        return DaliImageData(cfg, rank, world_size, seed, device)
+        return DaliImageData(cfg, rank, world_size, seed, device, prefetch_batches=cfg.prefetch_batches)
     if cfg.backend == "auto" and rank == 0:
         log.warning("data.backend=auto: DALI is not installed, using torchvision (no cache levels); %s", DALI_HINT)
     return TorchvisionImageData(cfg, rank, world_size, seed, pin_memory=torch.device(device).type == "cuda")

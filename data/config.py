@@ -39,10 +39,15 @@ class DataConfig:
     dtype: Literal["auto", "float32", "float16"] = "auto"
     """Element type of dali batches: auto = float16 when decoding on the GPU (train.amp then must not be
     off), else float32."""
+    prefetch_batches: int = 4
+    """dali backend: batches a background thread prepares ahead of DALI (cache reads, misses, crop windows),
+    so a cache miss never stalls the training step; 0 = inside DALI's callback, on the training thread."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     """The multi-level cache in front of the dali backend (data/cache.py): L1 disk, L2 RAM, L3 low-res."""
 
     def __post_init__(self) -> None:
+        if self.prefetch_batches < 0:
+            raise DataConfigError(f"data.prefetch_batches: must be >= 0, got {self.prefetch_batches}")
         if self.workers < 0:
             raise DataConfigError(f"data.workers: must be >= 0, got {self.workers}")
         if not 0 < self.min_scale <= 1:
