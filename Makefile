@@ -19,11 +19,14 @@ ARGS ?=
 .PHONY: setup test horovod quickstart quickstart-2x2 digits resnet50-dawnbench resnet50-1node tensorboard bench \
 	transformer-quickstart transformer-wmt
 
+# The repository installs as an editable package after the pinned requirements; --no-build-isolation builds it with
+# the venv's setuptools (requirements.txt) instead of fetching one into a throwaway environment.
 setup: $(STAMP)
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(PY) -c "from kernels._native import build_all; build_all()"
 	touch $(STAMP)
 
