@@ -16,9 +16,8 @@ import torch
 from data.cache import CacheConfig
 from data.config import DataConfig, DataConfigError
 from data.layout import DatasetNotFoundError, check_dataset
-from data.torchvision_loader import EpochLoader, TorchvisionImageData
 
-__all__ = ["CacheConfig", "DataConfig", "DataConfigError", "DatasetNotFoundError", "EpochLoader", "build_image_data",
+__all__ = ["CacheConfig", "DataConfig", "DataConfigError", "DatasetNotFoundError", "build_image_data",
            "check_dataset", "dali_available", "resolve_backend"]
 
 log = logging.getLogger(__name__)
@@ -52,6 +51,7 @@ def build_image_data(cfg: DataConfig, rank: int, world_size: int, seed: int,
     if backend == "dali":
         from data.dali_loader import DaliImageData  # imports DALI: only when it is used
         return DaliImageData(cfg, rank, world_size, seed, device, prefetch_batches=cfg.prefetch_batches)
+    from data.torchvision_loader import TorchvisionImageData  # imports torchvision: only when it is used
     if cfg.backend == "auto" and rank == 0:
         log.warning("data.backend=auto: DALI is not installed, using torchvision (no cache levels); %s", DALI_HINT)
     return TorchvisionImageData(cfg, rank, world_size, seed, pin_memory=torch.device(device).type == "cuda")

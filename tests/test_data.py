@@ -2,6 +2,8 @@
 
 import logging
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -189,3 +191,11 @@ def test_crop_windows_follow_torchvision_rules():
 
 def test_auto_picks_dali_where_installed():
     assert resolve_backend("auto") == "dali" and resolve_backend("torchvision") == "torchvision"
+
+
+def test_the_data_layer_imports_torchvision_only_for_its_backend():
+    """The Transformer's data (data, data.translation) works where torchvision is not installed."""
+    code = ("import sys; import data, data.translation; print('torchvision' in sys.modules); "
+            "from data.torchvision_loader import TorchvisionImageData; print('torchvision' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr
