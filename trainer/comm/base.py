@@ -1,4 +1,4 @@
-"""The communicator interface and gradient buckets, launched from autograd hooks.
+"""The communicator interface, its one-process null object, and gradient buckets launched from autograd hooks.
 
 Parameters are packed into buckets in reverse registration order (roughly the order backward produces
 their gradients). When every gradient of a bucket has been accumulated, the bucket is launched — but only
@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from trainer.dist import CommTimeoutError, Topology
 
-__all__ = ["Bucket", "CommTimeoutError", "Communicator", "ExchangeCommunicator", "LocalCommunicator",
-           "bind_thread_to_device", "make_buckets"]
+__all__ = ["Bucket", "BucketedCommunicator", "CommTimeoutError", "Communicator", "ExchangeCommunicator",
+           "LocalCommunicator", "bind_thread_to_device", "make_buckets"]
 
 
 @dataclass
@@ -40,10 +40,11 @@ class Bucket:
     ready: int = 0
     work: object | None = None
     """The pending collective (or a Future of the exchange thread) once launched."""
+    wire: torch.Tensor | None = None
+    """While a dense exchange is in flight: the tensor on the wire (the buffer, or its fp16/bf16 copy)."""
     buffer: torch.Tensor | None = None
     """The bucket's flat gradient, allocated at its first launch and refilled every step: on the CPU a fresh
     25 MB tensor per step costs its page faults again (30 ms per 45 MB, more than a copy into a warm one)."""
-    extra: dict = field(default_factory=dict)
 
 
 def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
@@ -69,21 +70,75 @@ def _zero_stats() -> dict[str, float]:
 
 
 class Communicator:
-    """Averages gradients over ranks. Subclasses implement `launch(bucket)` and `complete(bucket)`.
+    """Averages gradients over ranks: what the train loop calls.
 
-    Per-step stats (`finish()` returns them): bytes this rank sent (all links, and inter-node only),
-    seconds the optimizer waited for communication after backward (the part not hidden), seconds spent in
-    top-k selection, and the achieved density (elements sent / elements they were selected from).
+    `finish()` returns the step's stats: bytes this rank sent (all links, and inter-node only), seconds the
+    optimizer waited for communication after backward (the part not hidden), seconds spent in top-k
+    selection, and the achieved density (elements sent / elements they were selected from).
     """
 
-    def __init__(self, model: nn.Module, topo: Topology, bucket_mb: float) -> None:
+    def __init__(self, topo: Topology) -> None:
         self.topo = topo
+        self.steps = 0
+        """Completed exchanges (checkpointed: dense warm-up counts them)."""
+
+    def attach(self) -> None:
+        """Hook into the parameters' gradients (done at construction)."""
+
+    def detach(self) -> None:
+        """Remove the gradient hooks: backward no longer launches this communicator's exchanges, and the
+        hooks no longer keep it (and its buffers and residuals) alive. `attach()` hooks it in again."""
+
+    def set_grad_scale(self, scale: torch.Tensor | None) -> None:
+        """The loss scale of the coming backward (error feedback keeps its residuals unscaled); None = 1."""
+
+    def rollback(self) -> None:
+        """Undo this step's effect on the communicator's state (the optimizer skipped the step). Call after
+        `finish()`, before the next backward. Stateless exchanges have nothing to undo."""
+
+    def finish(self) -> dict[str, float]:
+        """Complete this step's exchange and write the averaged gradients back; this step's stats."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ state (error feedback lives here)
+
+    def state_dict(self) -> dict:
+        """This rank's state."""
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = state["steps"]
+
+    def gather_state(self) -> dict:
+        """Every rank's `state_dict()`, on rank 0 (a collective: call it on every rank)."""
+        return {"world_size": self.topo.world_size, "ranks": self.topo.world.gather_object(self.state_dict())}
+
+    def load_gathered_state(self, gathered: dict) -> None:
+        """Restore this rank's part of `gather_state()`'s result (the same world size is required)."""
+        if gathered.get("world_size") != self.topo.world_size:
+            raise ValueError(f"the checkpoint's communicator state is for {gathered.get('world_size')} ranks, this "
+                             f"run has {self.topo.world_size}")
+        self.load_state_dict(gathered["ranks"][self.topo.rank])
+
+
+class LocalCommunicator(Communicator):
+    """One process: nothing to exchange (the null object, so the train step has no special case)."""
+
+    def finish(self) -> dict[str, float]:
+        self.steps += 1
+        return {"bytes_sent": 0.0, "bytes_inter_node": 0.0, "wait_s": 0.0, "select_s": 0.0, "density": 1.0}
+
+
+class BucketedCommunicator(Communicator):
+    """Packs the gradients into buckets and launches each from the autograd hooks, in order. Subclasses
+    implement `launch(bucket)` and `complete(bucket)`."""
+
+    def __init__(self, model: nn.Module, topo: Topology, bucket_mb: float) -> None:
+        super().__init__(topo)
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = make_buckets(params, bucket_mb)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
-        self.steps = 0
-        """Completed exchanges (checkpointed: dense warm-up counts them)."""
         self.stats = _zero_stats()
         self.grad_scale: torch.Tensor | None = None
         """The loss scale this step's gradients are multiplied by (a 0-d tensor on the device), or None."""
@@ -92,13 +147,10 @@ class Communicator:
         self.attach()
 
     def attach(self) -> None:
-        """Hook into the parameters' gradients (done at construction)."""
         if not self._hooks:
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
 
     def detach(self) -> None:
-        """Remove the gradient hooks: backward no longer launches this communicator's buckets, and the
-        hooks no longer keep it (and its buffers and residuals) alive. `attach()` hooks it in again."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -112,15 +164,10 @@ class Communicator:
             self._launch_next()
 
     def set_grad_scale(self, scale: torch.Tensor | None) -> None:
-        """The loss scale of the coming backward (error feedback keeps its residuals unscaled); None = 1."""
         self.grad_scale = scale
 
     def begin_step(self) -> None:
         """Called as the step's first bucket launches (the previous step is complete)."""
-
-    def rollback(self) -> None:
-        """Undo this step's effect on the communicator's state (the optimizer skipped the step). Call after
-        `finish()`, before the next backward. Stateless exchanges have nothing to undo."""
 
     def _launch_next(self) -> None:
         if self._next == 0:
@@ -137,7 +184,7 @@ class Communicator:
     def finish(self) -> dict[str, float]:
         """Launch any bucket not yet launched (unused parameters count as zero), wait for all, write back.
 
-        Returns this step's stats (see the class docstring), then starts counting the next step's.
+        Returns this step's stats (see `Communicator`), then starts counting the next step's.
         """
         while self._next < len(self.buckets):
             self._launch_next()
@@ -171,26 +218,6 @@ class Communicator:
         s["sent_elements"] += sent_elements
         s["selected_from"] += selected_from
 
-    # ------------------------------------------------------------ state (error feedback lives here)
-
-    def state_dict(self) -> dict:
-        """This rank's state."""
-        return {"steps": self.steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.steps = state["steps"]
-
-    def gather_state(self) -> dict:
-        """Every rank's `state_dict()`, on rank 0 (a collective: call it on every rank)."""
-        return {"world_size": self.topo.world_size, "ranks": self.topo.world.gather_object(self.state_dict())}
-
-    def load_gathered_state(self, gathered: dict) -> None:
-        """Restore this rank's part of `gather_state()`'s result (the same world size is required)."""
-        if gathered.get("world_size") != self.topo.world_size:
-            raise ValueError(f"the checkpoint's communicator state is for {gathered.get('world_size')} ranks, this "
-                             f"run has {self.topo.world_size}")
-        self.load_state_dict(gathered["ranks"][self.topo.rank])
-
     # ------------------------------------------------------------ to implement
 
     def launch(self, bucket: Bucket) -> None:
@@ -207,7 +234,7 @@ def bind_thread_to_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-class ExchangeCommunicator(Communicator):
+class ExchangeCommunicator(BucketedCommunicator):
     """Runs `exchange(bucket) -> averaged flat gradient` for each bucket on one background thread, in order."""
 
     def __init__(self, model: nn.Module, topo: Topology, bucket_mb: float) -> None:
@@ -246,24 +273,3 @@ class ExchangeCommunicator(Communicator):
 
     def exchange(self, bucket: Bucket) -> torch.Tensor:
         raise NotImplementedError
-
-
-class LocalCommunicator(Communicator):
-    """One process: nothing to exchange (the null object, so the train step has no special case)."""
-
-    def __init__(self, model: nn.Module, topo: Topology) -> None:  # noqa: D107 - no hooks needed
-        self.topo = topo
-        self.steps = 0
-
-    def set_grad_scale(self, scale: torch.Tensor | None) -> None:
-        pass
-
-    def rollback(self) -> None:
-        pass
-
-    def finish(self) -> dict[str, float]:
-        self.steps += 1
-        return {"bytes_sent": 0.0, "bytes_inter_node": 0.0, "wait_s": 0.0, "select_s": 0.0, "density": 1.0}
-
-    def gather_state(self) -> dict:
-        return {"world_size": 1, "ranks": [self.state_dict()]}

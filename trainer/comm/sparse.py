@@ -10,9 +10,10 @@ the same local rank on the other nodes (`inter`, the slow network). Per bucket o
 3. allgather of the k (value, index) pairs among the N nodes' ranks of this local rank, scatter-added;
 4. allgather of the shards inside the node, divided by the world size: the averaged dense gradient.
 
-`topk` is the flat case: every rank is its own node (L = 1, N = W), so steps 1 and 4 vanish and every rank
-exchanges its own top-k with everyone. `hitopk` uses the real node layout; on a single node it is a
-dense reduce-scatter + allgather (there is no slow link to save), on 1-rank nodes it equals `topk`.
+`flat_topk` (`comm.kind: topk`) is the flat case: every rank is its own node (L = 1, N = W), so steps 1
+and 4 vanish and every rank exchanges its own top-k with everyone. `hierarchical_topk` (`comm.kind: hitopk`)
+uses the real node layout; on a single node it is a dense reduce-scatter + allgather (there is no slow link
+to save), on 1-rank nodes it equals `topk`.
 
 Values and int32 indices travel in one fp32 payload (indices bit-cast), one collective per stage.
 Buckets below `dense_below` elements, and every bucket during the first `dense_warmup_steps` steps, are
@@ -45,6 +46,7 @@ from torch import nn
 
 from kernels import mstopk, mstopk_warm_up
 from trainer.comm.base import Bucket, ExchangeCommunicator
+from trainer.comm.config import CommConfig
 from trainer.comm.dense import ring_allreduce_bytes
 from trainer.dist import Group, Topology
 
@@ -66,14 +68,16 @@ def scatter_payloads(payloads: torch.Tensor, parts: int, size: int, out: torch.T
     return out
 
 
-class SparseAllgather(ExchangeCommunicator):
-    """Top-k with error feedback, flat (`intra=None, inter=world`) or hierarchical (the node groups)."""
+class TopKCommunicator(ExchangeCommunicator):
+    """Top-k with error feedback over two groups: `intra` (this rank's node; None = every rank is a node of its
+    own) and `inter` (this local rank's peers on the other nodes; None = one node, nothing is selected).
+    `flat_topk` and `hierarchical_topk` build the two configurations of `comm.kind`."""
 
-    def __init__(self, model: nn.Module, topo: Topology, bucket_mb: float, density: float, dense_below: int,
-                 dense_warmup_steps: int, intra: Group | None, inter: Group | None, selection_iters: int = 20) -> None:
-        super().__init__(model, topo, bucket_mb)
-        self.density, self.dense_below, self.dense_warmup_steps = density, dense_below, dense_warmup_steps
-        self.intra, self.inter, self.iters = intra, inter, selection_iters
+    def __init__(self, cfg: CommConfig, model: nn.Module, topo: Topology, intra: Group | None,
+                 inter: Group | None) -> None:
+        super().__init__(model, topo, cfg.bucket_mb)
+        self.density, self.dense_below, self.dense_warmup_steps = cfg.density, cfg.dense_below, cfg.dense_warmup_steps
+        self.intra, self.inter, self.iters = intra, inter, cfg.selection_iters
         self.residuals: dict[int, torch.Tensor] = {}
         """Error feedback per bucket index, unscaled: the unsent part of this rank's shard of the node's gradient."""
         self._spare: dict[int, torch.Tensor | None] = {}
@@ -84,7 +88,7 @@ class SparseAllgather(ExchangeCommunicator):
         """Per bucket index, the summed shard the allgathered pairs are scattered into (reused every step)."""
         if self.inter is not None:  # compile the selection kernels now, before the clock starts
             mstopk_warm_up(topo.device, sorted({self.selection_size(b) for b in self.buckets
-                                               if b.numel >= dense_below}), selection_iters)
+                                               if b.numel >= self.dense_below}), self.iters)
 
     def selection_size(self, bucket: Bucket) -> tuple[int, int]:
         """(elements MSTopK selects from, k) for a sparse exchange of `bucket`."""
@@ -184,3 +188,13 @@ class SparseAllgather(ExchangeCommunicator):
         self.steps = state["steps"]
         self.residuals = {int(i): r.to(self.topo.device) for i, r in state.get("residuals", {}).items()}
         self._spare, self._updated = {}, []
+
+
+def flat_topk(cfg: CommConfig, model: nn.Module, topo: Topology) -> TopKCommunicator:
+    """`comm.kind: topk`: every rank selects from its own gradient and allgathers with all ranks."""
+    return TopKCommunicator(cfg, model, topo, intra=None, inter=topo.world)
+
+
+def hierarchical_topk(cfg: CommConfig, model: nn.Module, topo: Topology) -> TopKCommunicator:
+    """`comm.kind: hitopk`: dense inside the node, top-k of each rank's shard between the nodes."""
+    return TopKCommunicator(cfg, model, topo, intra=topo.intra_node, inter=topo.inter_node)

@@ -1,55 +1,20 @@
-"""Distributed setup: torchrun / Slurm environment, backend choice, node topology and its process groups.
-
-Ranks are laid out node-major (rank = node * ranks_per_node + local_rank), as torchrun and Slurm do. The
-hierarchical communicator needs two kinds of groups: the ranks of one node (dense reduce-scatter and
-allgather over fast links) and the ranks with the same local rank on every node (sparse exchange over
-the slow inter-node network).
-"""
+"""torch.distributed (gloo, NCCL): joining the process group from torchrun's or Slurm's environment, the
+node subgroups, `TorchGroup` collectives with timeouts that name the silent peer, and the heartbeat."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from trainer.config import ConfigError, require
-
-
-@dataclass
-class DistConfig:
-    backend: Literal["auto", "nccl", "gloo", "horovod"] = "auto"
-    """Collective backend: auto = NCCL where CUDA exists, gloo otherwise; horovod = Horovod's collectives
-    (launch with horovodrun; install with `make horovod`)."""
-    timeout_s: float = 300.0
-    """Seconds a collective may wait for a peer before the run fails with an error naming the operation."""
-    ranks_per_node: int = 0
-    """Ranks per node; 0 = from the launcher (LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE). Set it to emulate
-    several nodes on one machine (2 processes as 2 nodes x 1 rank, say)."""
-    check_every_steps: int = 500
-    """Every this many optimizer steps, compare a checksum of every rank's weights (one small all-gather);
-    replicas that differ stop the run naming the first diverged rank; 0 = never."""
-
-    def __post_init__(self) -> None:
-        require(self.timeout_s > 0, f"dist.timeout_s: must be > 0, got {self.timeout_s}")
-        require(self.check_every_steps >= 0, f"dist.check_every_steps: must be >= 0, got {self.check_every_steps}")
-        require(self.ranks_per_node >= 0, f"dist.ranks_per_node: must be >= 0, got {self.ranks_per_node}")
-
-
-class CommTimeoutError(RuntimeError):
-    """A collective did not complete in time: a peer is hung, dead or unreachable."""
-
-
-class ReplicaDivergenceError(RuntimeError):
-    """The ranks' copies of the weights are no longer bitwise equal."""
-
+from trainer.config import ConfigError
+from trainer.dist.config import DistConfig
+from trainer.dist.topology import CommTimeoutError, Topology, node_layout
 
 HEARTBEAT_S = 0.5
 """Seconds between a rank's heartbeats; a peer whose counter stands still for 3 beats is named as silent."""
@@ -98,15 +63,17 @@ class Liveness:
 _liveness: Liveness | None = None
 
 
-class Group:
-    """Collectives over a torch.distributed process group (sums; tensors of equal size on every rank).
+# torch >= 2.14 names; the GPU machine's torch 2.11 has only the older ones (an optional API, hence getattr).
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
-    The synchronous ones wait at most `timeout` and then raise CommTimeoutError naming this rank, the
-    operation and (from the heartbeats) the peers that stopped answering. The communicators and the train
-    loop use only this interface, so Horovod can stand in (`HorovodGroup`).
+
+class TorchGroup:
+    """`Group` over a torch.distributed process group (`pg` None: the default group of all ranks).
+
+    The synchronous collectives wait at most `timeout` and then raise CommTimeoutError naming this rank, the
+    operation and (from the heartbeats) the peers that stopped answering.
     """
-
-    liveness: Liveness | None = None
 
     def __init__(self, pg: Any, global_rank: int, timeout: datetime.timedelta,
                  liveness: Liveness | None = None) -> None:
@@ -130,6 +97,7 @@ class Group:
             raise self.failure(what, e) from e
 
     def failure(self, what: str, cause: Exception) -> CommTimeoutError:
+        """The error for a collective `what` that failed with `cause`, naming the silent peers."""
         return CommTimeoutError(
             f"rank {self.global_rank}: {what} did not complete within {self.timeout.total_seconds():.0f}s "
             f"(dist.timeout_s); {self.suspects()}: {cause}")
@@ -156,13 +124,11 @@ class Group:
         return t
 
     def all_gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """Every rank's `t`, concatenated in rank order along dim 0."""
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
         self.wait(_all_gather_single(out, t, group=self.pg, async_op=True), what)
         return out
 
     def reduce_scatter(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """This rank's 1/size slice of the sum of every rank's `t` (t.numel() divisible by size)."""
         shard = t.numel() // self.size
         if self._reduce_scatter_ok:
             out = t.new_empty(shard)
@@ -191,7 +157,6 @@ class Group:
         return box[0]
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        """Every rank's `obj` on `dst` (None elsewhere)."""
         out = [None] * self.size if self.rank == dst else None
         try:
             dist.gather_object(obj, out, dst=dst, group=self.pg)
@@ -200,66 +165,24 @@ class Group:
         return out
 
 
-# torch >= 2.14 names; the GPU machine's torch 2.11 has only the older ones.
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-@dataclass
-class Topology:
-    """Where this process sits: global rank, node and rank within the node, with the groups that go with them."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    ranks_per_node: int = 1
-    device: torch.device = torch.device("cpu")
-    world: Group | None = None
-    """All ranks; None on a single process."""
-    intra_node: Group | None = None
-    """Ranks of this node; None when the node has one rank."""
-    inter_node: Group | None = None
-    """Ranks with this local rank on every node; None when there is one node."""
-    backend: str = "none"
-
-    @property
-    def node(self) -> int:
-        return self.rank // self.ranks_per_node
-
-    @property
-    def num_nodes(self) -> int:
-        return self.world_size // self.ranks_per_node
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def _env_int(*names: str, default: int | None = None) -> int | None:
+def _env_int(*names: str, default: int) -> int:
     for name in names:
         if os.environ.get(name, "").strip():
             return int(os.environ[name].split("(")[0])  # SLURM_TASKS_PER_NODE may read "4(x2)"
     return default
 
 
-def resolve_backend(backend: str) -> str:
+def resolve_backend(backend: str) -> Literal["nccl", "gloo"]:
     """`auto` -> nccl where CUDA exists, gloo otherwise; an explicit nccl without CUDA is an error."""
+    if backend == "gloo":
+        return "gloo"
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
+    if backend != "nccl":
+        raise ConfigError(f"dist.backend: {backend} is not a torch.distributed backend (auto, nccl or gloo)")
+    if not torch.cuda.is_available():
         raise ConfigError("dist.backend: nccl needs CUDA, and none is available here (use auto or gloo)")
-    return backend
-
-
-def node_layout(world: int, per_node: int) -> tuple[list[list[int]], list[list[int]]]:
-    """The ranks of each node, and the ranks sharing each local rank (node-major numbering)."""
-    nodes = [list(range(n * per_node, (n + 1) * per_node)) for n in range(world // per_node)]
-    peers = [list(range(lr, world, per_node)) for lr in range(per_node)]
-    return nodes, peers
+    return "nccl"
 
 
 def elastic_attempt_store(world: int, timeout_s: float) -> Any | None:
@@ -276,23 +199,18 @@ def elastic_attempt_store(world: int, timeout_s: float) -> Any | None:
     return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def setup_distributed(cfg: DistConfig) -> Topology:
+def setup_torch(cfg: DistConfig) -> Topology:
     """Join (or reuse) the process group from torchrun's or Slurm's environment and build the node groups.
 
-    A single process without launcher variables runs without a process group. `dist.backend: horovod`
-    hands over to `trainer.horovod_backend` (Horovod's own launcher and collectives).
+    A single process without launcher variables runs without a process group (its world is a LocalGroup).
     """
-    if cfg.backend == "horovod":
-        from trainer.horovod_backend import setup_horovod  # optional dependency, imported only when chosen
-        return setup_horovod(cfg)
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
     if dist.is_initialized():  # e.g. a test harness that met through a FileStore
         rank, world = dist.get_rank(), dist.get_world_size()
     per_node = cfg.ranks_per_node or _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", default=world)
-    if world % per_node:
-        raise ConfigError(f"dist.ranks_per_node: {per_node} does not divide the world size {world}")
+    nodes, peers = node_layout(world, per_node)
     gpu_index = local_rank  # the launcher's: which GPU of this machine, whatever the emulated layout
     if cfg.ranks_per_node:  # emulated nodes: derive the local rank from the layout
         local_rank = rank % per_node
@@ -316,95 +234,23 @@ def setup_distributed(cfg: DistConfig) -> Topology:
     if _liveness is None:
         # the default store is private API, but the only handle on the rendezvous store torchrun set up
         _liveness = Liveness(dist.distributed_c10d._get_default_store(), rank)
-    topo.world = Group(None, rank, timeout, _liveness)
-    # Every rank must create every subgroup, in the same order.
-    if 1 < per_node < world:
-        nodes, peers = node_layout(world, per_node)
-        # The groups' own timeout matters: gloo's reduce-scatter ignores Work.wait's (measured, torch 2.14).
+
+    def node_groups() -> tuple[TorchGroup, TorchGroup]:
+        # Every rank must create every subgroup, in the same order. The groups' own timeout matters: gloo's
+        # reduce-scatter ignores Work.wait's (measured, torch 2.14).
         intra, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend=backend)
         inter, _ = dist.new_subgroups_by_enumeration(peers, timeout=timeout, backend=backend)
-        topo.intra_node, topo.inter_node = Group(intra, rank, timeout, _liveness), Group(inter, rank, timeout,
-                                                                                         _liveness)
-    elif per_node == world:
-        topo.intra_node = topo.world
-    else:
-        topo.inter_node = topo.world
+        return TorchGroup(intra, rank, timeout, _liveness), TorchGroup(inter, rank, timeout, _liveness)
+
+    topo.join(TorchGroup(None, rank, timeout, _liveness), node_groups)
     return topo
 
 
-def teardown_distributed() -> None:
+def teardown_torch() -> None:
+    """Stop the heartbeat and leave the process group (if this process is in one)."""
     global _liveness
     if _liveness is not None:
         _liveness.close()
         _liveness = None
     if dist.is_initialized():
         dist.destroy_process_group()
-    hvd = sys.modules.get("horovod.torch")
-    if hvd is not None and hvd.is_initialized():
-        hvd.shutdown()
-
-
-def all_reduce_sum(values: list[float], topo: Topology) -> list[float]:
-    """Sum a few Python numbers over all ranks (eval counts, loss sums); a no-op on one process."""
-    if not topo.distributed:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=topo.device)
-    return topo.world.all_reduce_(t, "all_reduce_sum").tolist()
-
-
-def broadcast_flag(flag: bool, topo: Topology) -> bool:
-    """Rank 0's decision, on every rank (e.g. 'target reached, stop'), so that all ranks leave together."""
-    if not topo.distributed:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=topo.device)
-    topo.world.broadcast_(t, src=0)
-    return bool(t.item())
-
-
-def broadcast_module(module: nn.Module, topo: Topology, buffers_only: bool = False) -> None:
-    """Rank 0's weights (or only its buffers, e.g. BatchNorm statistics) on every rank."""
-    if not topo.distributed:
-        return
-    tensors = list(module.buffers()) + ([] if buffers_only else list(module.parameters()))
-    with torch.no_grad():
-        for t in tensors:
-            topo.world.broadcast_(t.data, src=0)
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def weights_checksum(module: nn.Module) -> torch.Tensor:
-    """A 0-d int64 tensor on the weights' device: the parameters' bit patterns summed as integers, each tensor
-    weighted by its position. Equal weights give equal sums; one changed bit changes the sum. No host sync."""
-    total = None
-    for position, p in enumerate(module.parameters(), start=1):
-        bits = p.detach().view(_BITS[p.element_size()]).sum(dtype=torch.int64) * position
-        total = bits if total is None else total + bits
-    return total if total is not None else torch.zeros((), dtype=torch.int64)
-
-
-class ReplicaGuard:
-    """Every `every` steps, all-gathers each rank's `weights_checksum` and stops the run if they differ.
-
-    Nothing re-synchronises the replicas after the first broadcast, so an update that differs by one bit on
-    one rank (a nondeterministic reduction, a bad GPU) would otherwise go on forever; evaluation and
-    checkpoints assume every rank holds rank 0's weights.
-    """
-
-    def __init__(self, every: int, topo: Topology) -> None:
-        self.every, self.topo = every, topo
-
-    def should_check(self, step: int) -> bool:
-        return self.topo.distributed and self.every > 0 and step % self.every == 0
-
-    def maybe_check(self, module: nn.Module, step: int) -> None:
-        if not self.should_check(step):
-            return
-        sums = self.topo.world.all_gather(weights_checksum(module).reshape(1).to(self.topo.device),
-                                          "all-gather of the weight checksums").tolist()
-        diverged = [r for r, value in enumerate(sums) if value != sums[0]]
-        if diverged:
-            raise ReplicaDivergenceError(
-                f"step {step}: the model replicas differ: rank {diverged[0]}'s weights are not bitwise equal to "
-                f"rank 0's (diverged ranks: {diverged}); every rank stops (dist.check_every_steps)")

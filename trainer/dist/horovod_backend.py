@@ -2,8 +2,8 @@
 
 Launched by `horovodrun` (`make horovod` installs Horovod 0.28.1, see scripts/install_horovod.sh). The
 node groups are Horovod process sets, registered at `hvd.init` in the same order on every rank. Horovod
-has no per-call timeout, so `wait` polls the handle against `dist.timeout_s` and raises the same
-CommTimeoutError as the torch.distributed backend.
+has no per-call timeout, so `HorovodGroup` polls each handle against `dist.timeout_s` and raises the same
+CommTimeoutError as the torch.distributed backend. This module is imported only when the backend is chosen.
 """
 
 from __future__ import annotations
@@ -16,39 +16,52 @@ from typing import Any
 import torch
 
 from trainer.config import ConfigError
-from trainer.dist import CommTimeoutError, DistConfig, Group, Topology, node_layout
+from trainer.dist.config import DistConfig
+from trainer.dist.topology import CommTimeoutError, Topology, node_layout
 
 try:
     import horovod.torch as hvd
 except ImportError:  # reported when the backend is chosen, not at import
     hvd = None
 
+POLL_S = 0.0002
+"""Seconds between two polls of a pending Horovod handle."""
 
-class HorovodGroup(Group):
+
+class HorovodGroup:
     """`Group` over a Horovod process set."""
 
-    def __init__(self, process_set: Any, global_rank: int, timeout: datetime.timedelta) -> None:  # noqa: D107
+    def __init__(self, process_set: Any, global_rank: int, timeout: datetime.timedelta) -> None:
         self.ps, self.global_rank, self.timeout = process_set, global_rank, timeout
         self.size, self.rank = process_set.size(), process_set.rank()
+        self.members = list(process_set.ranks) if process_set.ranks else list(range(self.size))
 
-    def wait(self, handle: Any, what: str) -> Any:
+    def _result(self, handle: Any, what: str) -> Any:
+        """The output of a pending Horovod handle, polled until `timeout`."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not hvd.poll(handle):
             if time.monotonic() > deadline:
                 raise CommTimeoutError(
                     f"rank {self.global_rank}: {what} did not complete within {self.timeout.total_seconds():.0f}s "
                     f"(dist.timeout_s); a peer is hung, dead or unreachable")
-            time.sleep(0.0002)
+            time.sleep(POLL_S)
         return hvd.synchronize(handle)
+
+    def wait(self, work: Any, what: str) -> None:
+        self._result(work, what)
 
     def all_reduce_async(self, t: torch.Tensor) -> Any:
         return hvd.allreduce_async_(t, op=hvd.Sum, process_set=self.ps)
 
+    def all_reduce_(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        self.wait(self.all_reduce_async(t), what)
+        return t
+
     def all_gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        return self.wait(hvd.allgather_async(t, process_set=self.ps), what)
+        return self._result(hvd.allgather_async(t, process_set=self.ps), what)
 
     def reduce_scatter(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        return self.wait(hvd.reducescatter_async(t, op=hvd.Sum, process_set=self.ps), what)
+        return self._result(hvd.reducescatter_async(t, op=hvd.Sum, process_set=self.ps), what)
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
         # Horovod needs contiguous tensors; channels-last conv weights are not.
@@ -76,8 +89,6 @@ def setup_horovod(cfg: DistConfig) -> Topology:
         raise ConfigError("dist.backend: horovod needs Horovod, which is not installed (run `make horovod`)")
     world = int(os.environ.get("HOROVOD_SIZE", "1"))
     per_node = cfg.ranks_per_node or int(os.environ.get("HOROVOD_LOCAL_SIZE", str(world)))
-    if world % per_node:
-        raise ConfigError(f"dist.ranks_per_node: {per_node} does not divide the world size {world}")
     nodes, peers = node_layout(world, per_node)
     split = 1 < per_node < world
     if hvd.is_initialized():  # process sets are fixed at init: a second setup must ask for the same layout
@@ -99,12 +110,16 @@ def setup_horovod(cfg: DistConfig) -> Topology:
     if topo.world_size == 1:
         return topo
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    topo.world = HorovodGroup(hvd.global_process_set, rank, timeout)
-    if split:
-        mine = [ps for ps in sets if ps.included()]
-        topo.intra_node, topo.inter_node = (HorovodGroup(ps, rank, timeout) for ps in mine)
-    elif per_node == topo.world_size:
-        topo.intra_node = topo.world
-    else:
-        topo.inter_node = topo.world
+
+    def node_groups() -> tuple[HorovodGroup, HorovodGroup]:
+        intra, inter = (HorovodGroup(ps, rank, timeout) for ps in sets if ps.included())
+        return intra, inter
+
+    topo.join(HorovodGroup(hvd.global_process_set, rank, timeout), node_groups)
     return topo
+
+
+def teardown_horovod() -> None:
+    """Shut Horovod down (if it is running)."""
+    if hvd is not None and hvd.is_initialized():
+        hvd.shutdown()
