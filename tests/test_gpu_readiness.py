@@ -18,8 +18,10 @@ from trainer.comm.sparse import scatter_payloads
 from trainer.config import ConfigError
 from trainer.dist import (DistConfig, ReplicaDivergenceError, ReplicaGuard, Topology, TorchGroup, setup_distributed,
                           weights_checksum)
-from trainer.loop import Components, LoopConfig, TrainConfig, Trainer
+from trainer.loop import TrainConfig, Trainer
 from trainer.metrics import LogConfig
+from trainer.optim import OptimConfig
+from trainer.schedules import ScheduleConfig
 
 # ---------------------------------------------------------------- error feedback and the loss scale
 
@@ -48,8 +50,8 @@ def _feedback_survives_scale_changes(rank: int, world: int, kind: str, per_node:
     model = Params()
     comm = build_communicator(CommConfig(kind=kind, bucket_mb=BUCKET_MB, density=0.05, dense_below=20), model, topo)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    trainer = Trainer(LoopConfig(TrainConfig(loss_scale="dynamic"), log=LogConfig(dir=tmp)), topo,
-                      LinearTask(model, rank), Components(model, optimizer, comm))
+    trainer = Trainer(TrainConfig(loss_scale="dynamic"), ScheduleConfig(), OptimConfig(), LogConfig(dir=tmp), topo,
+                      model, LinearTask(model, rank), optimizer, comm, None, {})
     # The scale doubles after every good step and halves at the overflow: it changes at every step.
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
     averaged: list[torch.Tensor] = []
@@ -289,8 +291,8 @@ def test_a_loss_scaled_train_step_reads_the_device_once(tmp_path, monkeypatch):
     model = Params()
     topo = Topology()
     comm = build_communicator(CommConfig(), model, topo)
-    trainer = Trainer(LoopConfig(TrainConfig(loss_scale="dynamic"), log=LogConfig(dir=str(tmp_path))), topo,
-                      LinearTask(model, 0), Components(model, torch.optim.SGD(model.parameters(), lr=0.1), comm))
+    trainer = Trainer(TrainConfig(loss_scale="dynamic"), ScheduleConfig(), OptimConfig(), LogConfig(dir=str(tmp_path)),
+                      topo, model, LinearTask(model, 0), torch.optim.SGD(model.parameters(), lr=0.1), comm, None, {})
     trainer.train_step(0)  # the scaler initialises its state on the first step
     reads: list[str] = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
