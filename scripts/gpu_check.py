@@ -467,100 +467,72 @@ def _mass_conserved(comm: Any, model: Any, grads: list, world: int) -> bool | No
     return bool(torch.allclose(_flat(sent) + left, incoming, rtol=1e-4, atol=1e-3))
 
 
-def _comm_rank(rank: int, world: int, store: str, device_type: str, results: Any) -> None:
-    """One rank of the communicator check (also the only one, in-process, on a 1-GPU machine)."""
-    import datetime
+def _comm_rank(rank: int, world: int, device_type: str) -> dict | None:
+    """One rank of the communicator check, in the process group trainer.testing.run_ranks joined (or, on a 1-GPU
+    machine, the only rank, in this process). Rank 0 returns the report."""
     import statistics
 
     import torch
-    import torch.distributed as dist
 
     from trainer.comm import CommConfig, build_communicator
-    from trainer.dist import Topology, TorchGroup, node_layout
+    from trainer.dist import DistConfig, setup_distributed
 
-    try:
-        gpu = device_type == "cuda"
-        device = torch.device("cuda", rank) if gpu else torch.device("cpu")
-        if gpu:
-            torch.cuda.set_device(device)
+    gpu = device_type == "cuda"
+    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
+    # 4+ ranks: 2 emulated nodes, so hitopk is hierarchical; fewer: one rank per node (hitopk = topk)
+    per_node = world // 2 if world >= 4 and world % 2 == 0 else 1
+    shapes = resnet50_shapes() if gpu else resnet50_shapes(width=8, num_classes=10)
+    bucket_mb = 25.0 if gpu else 0.5
+    gen = torch.Generator().manual_seed(rank)
+    integer = [torch.randint(-8, 9, s, generator=gen).float().to(device) for s in shapes]
+    real = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    model = parameters_module(shapes, device)
+
+    def build(kind: str, density: float, topo: Any) -> Any:
+        if world == 1:
+            return one_rank_communicator(kind, model, topo, bucket_mb, density)
+        return build_communicator(CommConfig(kind=kind, bucket_mb=bucket_mb, density=density), model, topo)
+
+    with contextlib.ExitStack() as stack:
+        if world == 1:
+            topo = stack.enter_context(one_rank_world(device))
         else:
-            torch.set_num_threads(1)
-        backend = "nccl" if gpu else "gloo"
-        timeout = datetime.timedelta(seconds=120)
-        if world > 1:
-            dist.init_process_group(backend, store=dist.FileStore(store, world), rank=rank, world_size=world,
-                                    timeout=timeout, device_id=device if gpu else None)
-        # 4+ ranks: 2 emulated nodes, so hitopk is hierarchical; fewer: one rank per node (hitopk = topk)
-        per_node = world // 2 if world >= 4 and world % 2 == 0 else 1
-        shapes = resnet50_shapes() if gpu else resnet50_shapes(width=8, num_classes=10)
-        bucket_mb = 25.0 if gpu else 0.5
-        gen = torch.Generator().manual_seed(rank)
-        integer = [torch.randint(-8, 9, s, generator=gen).float().to(device) for s in shapes]
-        real = [torch.randn(s, generator=gen).to(device) for s in shapes]
-        model = parameters_module(shapes, device)
-
-        def build(kind: str, density: float, topo: Any) -> Any:
-            if world == 1:
-                return one_rank_communicator(kind, model, topo, bucket_mb, density)
-            return build_communicator(CommConfig(kind=kind, bucket_mb=bucket_mb, density=density), model, topo)
-
-        with contextlib.ExitStack() as stack:
-            if world == 1:
-                topo = stack.enter_context(one_rank_world(device))
-            else:
-                topo = Topology(rank=rank, world_size=world, local_rank=rank % per_node, ranks_per_node=per_node,
-                                device=device, backend=backend)
-                topo.world = TorchGroup(None, rank, timeout)
-                if 1 < per_node < world:
-                    nodes, peers = node_layout(world, per_node)
-                    intra, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout, backend=backend)
-                    inter, _ = dist.new_subgroups_by_enumeration(peers, timeout=timeout, backend=backend)
-                    topo.intra_node = TorchGroup(intra, rank, timeout)
-                    topo.inter_node = TorchGroup(inter, rank, timeout)
-                else:
-                    topo.inter_node = topo.world
-            out: dict[str, dict] = {}
-            dense = None
-            for kind in ("dense", "topk", "hitopk"):
-                comm = build(kind, 1.0, topo)
-                got = _comm_step(model, comm, integer)
-                comm.detach()
-                dense = dense or got
-                exact = all(torch.equal(a, b) for a, b in zip(got, dense))
-                comm = build(kind, 0.01, topo)
-                averaged = _comm_step(model, comm, real)
-                conserved = _mass_conserved(comm, model, real, world)
-                finite = bool(torch.isfinite(_flat(averaged)).all())
-                times = []
-                for _ in range(5 if gpu else 2):
-                    sync(device)
-                    start = time.perf_counter()
-                    _comm_step(model, comm, real)
-                    sync(device)
-                    times.append(time.perf_counter() - start)
-                comm.detach()
-                delayed_same = None
-                if gpu:  # the same first step, its gradients produced behind a GPU sleep: bitwise the same
-                    first = build(kind, 0.01, topo)
-                    plain = _comm_step(model, first, real)
-                    first.detach()
-                    second = build(kind, 0.01, topo)
-                    late = _comm_step(model, second, real, delay=True)
-                    second.detach()
-                    delayed_same = all(torch.equal(a, b) for a, b in zip(plain, late))
-                out[kind] = {"exact": exact, "conserved": conserved, "finite": finite, "delayed_same": delayed_same,
-                             "ms": statistics.median(times) * 1e3, "buckets": len(comm.buckets)}
-            if world > 1:
-                dist.barrier()
-        if rank == 0:
-            results.put({"ok": out, "layout": f"{world // per_node} node(s) x {per_node} rank(s)",
-                         "elements": sum(int(torch.Size(s).numel()) for s in shapes)})
-    except BaseException:  # noqa: BLE001 - reported to the check with the rank
-        results.put({"error": f"rank {rank}: {traceback.format_exc()}"})
-        raise
-    finally:
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+            topo = setup_distributed(DistConfig(ranks_per_node=per_node, timeout_s=120))
+        out: dict[str, dict] = {}
+        dense = None
+        for kind in ("dense", "topk", "hitopk"):
+            comm = build(kind, 1.0, topo)
+            got = _comm_step(model, comm, integer)
+            comm.detach()
+            dense = dense or got
+            exact = all(torch.equal(a, b) for a, b in zip(got, dense))
+            comm = build(kind, 0.01, topo)
+            averaged = _comm_step(model, comm, real)
+            conserved = _mass_conserved(comm, model, real, world)
+            finite = bool(torch.isfinite(_flat(averaged)).all())
+            times = []
+            for _ in range(5 if gpu else 2):
+                sync(device)
+                start = time.perf_counter()
+                _comm_step(model, comm, real)
+                sync(device)
+                times.append(time.perf_counter() - start)
+            comm.detach()
+            delayed_same = None
+            if gpu:  # the same first step, its gradients produced behind a GPU sleep: bitwise the same
+                first = build(kind, 0.01, topo)
+                plain = _comm_step(model, first, real)
+                first.detach()
+                second = build(kind, 0.01, topo)
+                late = _comm_step(model, second, real, delay=True)
+                second.detach()
+                delayed_same = all(torch.equal(a, b) for a, b in zip(plain, late))
+            out[kind] = {"exact": exact, "conserved": conserved, "finite": finite, "delayed_same": delayed_same,
+                         "ms": statistics.median(times) * 1e3, "buckets": len(comm.buckets)}
+    if rank != 0:
+        return None
+    return {"ok": out, "layout": f"{world // per_node} node(s) x {per_node} rank(s)",
+            "elements": sum(int(torch.Size(s).numel()) for s in shapes)}
 
 
 @check("communicators", timeout_s=180)
@@ -569,36 +541,19 @@ def check_communicators(device: Any) -> list[Row]:
     tensors: density 1.0 equals dense bitwise, density 0.01 conserves the gradient mass (error feedback),
     a step whose gradients come behind a GPU sleep is bitwise the same, time per step. With one GPU the
     1-rank world runs and the multi-rank paths are a SKIP row."""
-    import queue
-
     import torch
-    import torch.multiprocessing as mp
+
+    from trainer.testing import run_ranks
 
     require_device(device)
     gpu = device.type == "cuda"
     world = torch.cuda.device_count() if gpu else 2
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue() if world > 1 else queue.SimpleQueue()
     if world == 1:
-        _comm_rank(0, 1, "", device.type, results)
+        report = _comm_rank(0, 1, device.type)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            procs = [ctx.Process(target=_comm_rank, args=(r, world, os.path.join(tmp, "store"), device.type, results))
-                     for r in range(world)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join(150)
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-    reports = []
-    while not results.empty():
-        reports.append(results.get())
-    errors = [r["error"] for r in reports if "error" in r]
-    if errors or not reports:
-        raise RuntimeError(errors[0] if errors else "no rank reported (killed, or timed out after 150 s)")
-    report = reports[0]
+            report = run_ranks(_comm_rank, world, tmp, device.type, timeout=150,
+                               backend="nccl" if gpu else "gloo")[0]
     backend = (f"NCCL, {world} GPU(s)" if gpu else f"gloo, {world} CPU ranks") + f", {report['layout']}"
     rows = []
     for kind, r in report["ok"].items():
