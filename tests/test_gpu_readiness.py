@@ -18,10 +18,8 @@ from trainer.comm.sparse import scatter_payloads
 from trainer.config import ConfigError
 from trainer.dist import (DistConfig, ReplicaDivergenceError, ReplicaGuard, Topology, TorchGroup, setup_distributed,
                           weights_checksum)
-from trainer.loop import TrainConfig, Trainer
+from trainer.loop import Components, LoopConfig, TrainConfig, Trainer
 from trainer.metrics import LogConfig
-from trainer.optim import OptimConfig
-from trainer.schedules import ScheduleConfig
 
 # ---------------------------------------------------------------- error feedback and the loss scale
 
@@ -50,8 +48,8 @@ def _feedback_survives_scale_changes(rank: int, world: int, kind: str, per_node:
     model = Params()
     comm = build_communicator(CommConfig(kind=kind, bucket_mb=BUCKET_MB, density=0.05, dense_below=20), model, topo)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    trainer = Trainer(TrainConfig(loss_scale="dynamic"), ScheduleConfig(), OptimConfig(), LogConfig(dir=tmp), topo,
-                      model, LinearTask(model, rank), optimizer, comm, None, {})
+    trainer = Trainer(LoopConfig(TrainConfig(loss_scale="dynamic"), log=LogConfig(dir=tmp)), topo,
+                      LinearTask(model, rank), Components(model, optimizer, comm))
     # The scale doubles after every good step and halves at the overflow: it changes at every step.
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
     averaged: list[torch.Tensor] = []
@@ -109,6 +107,20 @@ def test_sparse_sums_add_the_payloads_in_rank_order():
             expected[i] = (expected[i] + v).float()
     assert torch.equal(out, expected)
     assert out[4] == 0.0  # ((0 + 2^25) + 1) - 2^25 in fp32; (2^25 - 2^25) + 1, another order, gives 1.0
+    # On the CPU a single index_add_ is sequential too, so the values above cannot tell the two apart: the
+    # structure can. Every addition must be one payload with distinct indices (no collision within a call).
+    calls: list[torch.Tensor] = []
+    real = torch.Tensor.index_add_
+
+    def recording(self, dim, index, source, *args, **kwargs):
+        calls.append(index.clone())
+        return real(self, dim, index, source, *args, **kwargs)
+    torch.Tensor.index_add_ = recording
+    try:
+        scatter_payloads(payloads, 3, 6)
+    finally:
+        torch.Tensor.index_add_ = real
+    assert len(calls) == 3 and all(c.unique().numel() == c.numel() for c in calls)
     torch.use_deterministic_algorithms(True)  # no nondeterministic kernel on the path
     try:
         assert torch.equal(scatter_payloads(payloads, 3, 6), expected)
@@ -224,11 +236,14 @@ def test_nccl_waits_do_not_block_the_host(tmp_path):
 
 def test_arch_support_reads_native_code_and_ptx():
     from trainer.devices import arch_supported
-    archs = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
+    archs = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # torch 2.14.1's CUDA 13 build
     assert arch_supported((9, 0), archs) and arch_supported((7, 5), archs)
-    assert not arch_supported((7, 0), archs)  # V100: neither its code nor older PTX
-    assert not arch_supported((8, 9), ["sm_80", "sm_90"])  # no sm_89 and no PTX to compile
-    assert arch_supported((12, 1), archs)  # newer than every sm_: runs from compute_120 PTX
+    assert arch_supported((8, 9), archs)  # L4 / L40S: sm_86 code runs on the newer minor version
+    assert arch_supported((10, 3), archs) and arch_supported((12, 1), archs)
+    assert not arch_supported((7, 0), archs)  # V100: no Volta code and no older PTX
+    assert not arch_supported((11, 0), archs)  # no code of major 11 and no PTX
+    assert arch_supported((11, 0), archs + ["compute_100"])  # ... unless PTX of an older one is there
+    assert not arch_supported((8, 0), ["sm_86"])  # code for a newer minor does not run on an older one
 
 
 def test_a_gpu_config_stops_before_any_work_on_a_machine_without_cuda(tmp_path, monkeypatch):
@@ -291,8 +306,8 @@ def test_a_loss_scaled_train_step_reads_the_device_once(tmp_path, monkeypatch):
     model = Params()
     topo = Topology()
     comm = build_communicator(CommConfig(), model, topo)
-    trainer = Trainer(TrainConfig(loss_scale="dynamic"), ScheduleConfig(), OptimConfig(), LogConfig(dir=str(tmp_path)),
-                      topo, model, LinearTask(model, 0), torch.optim.SGD(model.parameters(), lr=0.1), comm, None, {})
+    trainer = Trainer(LoopConfig(TrainConfig(loss_scale="dynamic"), log=LogConfig(dir=str(tmp_path))), topo,
+                      LinearTask(model, 0), Components(model, torch.optim.SGD(model.parameters(), lr=0.1), comm))
     trainer.train_step(0)  # the scaler initialises its state on the first step
     reads: list[str] = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
@@ -322,3 +337,15 @@ def test_dali_is_unavailable_without_the_nvidia_package(tmp_path):
                             env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:."})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "torchvision"]
+
+
+def test_any_failure_of_the_background_writer_is_a_checkpoint_write_error(tmp_path):
+    from trainer.checkpoint import Checkpointer, CheckpointWriteError
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save_in_background({"fn": lambda: None}, 1)  # a lambda cannot be pickled
+    with pytest.raises(CheckpointWriteError, match=r"background checkpoint write failed: .*previous checkpoints"):
+        ckpt.wait()
+    assert ckpt.paths() == []
+    ckpt.save_in_background({"w": torch.ones(2)}, 2)
+    ckpt.wait()
+    assert [p.name for p in ckpt.paths()] == ["ckpt-00000002.pt"]

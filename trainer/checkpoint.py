@@ -95,10 +95,18 @@ class Checkpointer:
         self._pending = self._writer.submit(self.save, snapshot, step)
 
     def wait(self) -> None:
-        """Wait for a background write; raise its error, if any."""
+        """Wait for a background write; raise its error, if any, as a CheckpointWriteError (the caller stops
+        every rank on it, whatever went wrong in the writer)."""
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is None:
+            return
+        try:
             pending.result()
+        except CheckpointWriteError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. a pickling error or MemoryError in the writer thread
+            raise CheckpointWriteError(0, f"the background checkpoint write failed: {type(e).__name__}: {e}; the "
+                                          f"previous checkpoints in {self.folder} are intact") from e
 
     def paths(self) -> list[Path]:
         """Existing checkpoints, newest first."""

@@ -14,23 +14,24 @@ import torch
 
 from trainer.config import ConfigError
 
-VOLTA_HINT = ("V100 and other sm_70 GPUs need torch's CUDA 12.6 build: pip install torch==2.14.1 "
-              "torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cu126, and nvidia-dali-cuda120")
+VOLTA_HINT = ("V100 and other sm_70 GPUs need a CUDA 12.6 build of torch and torchvision (PyTorch's cu126 wheel "
+              "index) and nvidia-dali-cuda120: see README \"GPUs and drivers\"")
 
 
 def arch_supported(capability: tuple[int, int], arch_list: list[str]) -> bool:
-    """Whether a GPU of `capability` can run this torch build: native code for it (sm_XY), or PTX of an
-    equal or older architecture (compute_XY) that the driver compiles for it."""
+    """Whether a GPU of `capability` can run this torch build: code for its major architecture and an equal
+    or older minor one (sm_86 code runs on an sm_89 GPU), or PTX of an equal or older architecture
+    (compute_XY) that the driver compiles for it."""
     major, minor = capability
-    wanted = major * 10 + minor
     for arch in arch_list:
         kind, _, number = arch.partition("_")
         digits = "".join(ch for ch in number if ch.isdigit())
-        if not digits:
+        if len(digits) < 2:
             continue
-        if kind == "sm" and int(digits) == wanted:
+        arch_major, arch_minor = int(digits[:-1]), int(digits[-1])
+        if kind == "sm" and arch_major == major and arch_minor <= minor:
             return True
-        if kind == "compute" and int(digits) <= wanted:
+        if kind == "compute" and (arch_major, arch_minor) <= (major, minor):
             return True
     return False
 
