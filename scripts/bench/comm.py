@@ -14,7 +14,6 @@ ratio (JSON) = dense step ms / hitopk step ms.
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
@@ -22,13 +21,13 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torchvision
 
 from kernels.testing import gradient_like
 from scripts.bench.common import bench_parser, emit_result, parse_args, print_table
 from trainer.comm import CommConfig, build_communicator
-from trainer.dist import DistConfig, setup_distributed, teardown_distributed
+from trainer.dist import DistConfig, setup_distributed
+from trainer.testing import run_ranks
 
 WORLD, PER_NODE = 4, 2
 KINDS = {  # name -> comm config overrides (None = compute only)
@@ -40,10 +39,8 @@ KINDS = {  # name -> comm config overrides (None = compute only)
 }
 
 
-def _rank(rank: int, store: str, steps: int, density: float, arch: str, results: Any) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % PER_NODE))
-    torch.set_num_threads(1)  # 4 processes share the 2 cores
-    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD)
+def _rank(rank: int, world: int, steps: int, density: float, arch: str) -> dict[str, dict[str, float]]:
+    """One rank (of trainer.testing.run_ranks, 1 thread each): every kind's median step and mean stats."""
     topo = setup_distributed(DistConfig(ranks_per_node=PER_NODE, timeout_s=600))
     out = {}
     for name, overrides in KINDS.items():
@@ -70,10 +67,7 @@ def _rank(rank: int, store: str, steps: int, density: float, arch: str, results:
         out[name] = {"step_ms": slowest.item() * 1e3, **mean}
         if comm is not None:
             comm.detach()  # its hooks would keep it and this model alive through the next kinds
-    if rank == 0:
-        results.put(out)
-    dist.barrier()
-    teardown_distributed()
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -81,18 +75,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--density", type=float, default=0.01, help="topk/hitopk density (default 0.01)")
     args = parse_args(parser, argv)
     steps, arch = (2, "resnet18") if args.quick else (4, "resnet50")
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, os.path.join(tmp, "store"), steps, args.density, arch, results))
-                 for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise SystemExit(f"bench comm: a rank failed (exit codes {[p.exitcode for p in procs]})")
-    out = results.get()
+        out = run_ranks(_rank, WORLD, tmp, steps, args.density, arch, timeout=3600)[0]
     compute = out["compute only"]["step_ms"]
     rows = []
     for name, r in out.items():

@@ -17,7 +17,6 @@ ratio (JSON) = the quickstart's comm.kind / baseline.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,6 @@ if str(ROOT) not in sys.path:
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from data.translation import TranslationData  # noqa: E402
@@ -42,10 +40,11 @@ from scripts import prepare_synthetic_translation as synth  # noqa: E402
 from scripts.bench.common import bench_parser, emit_result, parse_args, print_table  # noqa: E402
 from trainer.comm import build_communicator  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.dist import DistConfig, setup_distributed, teardown_distributed  # noqa: E402
+from trainer.dist import DistConfig, setup_distributed  # noqa: E402
 from trainer.loop import Trainer  # noqa: E402
 from trainer.metrics import LogConfig, MetricsLogger  # noqa: E402
 from trainer.optim import build_optimizer  # noqa: E402
+from trainer.testing import run_ranks  # noqa: E402
 from trainer.translation import TranslationTask, build_transformer, translation_loss  # noqa: E402
 
 CONFIG = ROOT / "configs" / "transformer_quickstart_cpu.yaml"
@@ -83,16 +82,16 @@ def build_contenders(cfg: Config, data: TranslationData, topo: Any, log_dir: str
     return contenders
 
 
-def worker(rank: int, corpus: str, out: str, steps: int, rounds: int, threads: int) -> None:
-    store = dist.FileStore(str(Path(out).parent / "store"), WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+def worker(rank: int, world: int, corpus: str, workdir: str, steps: int, rounds: int, threads: int
+           ) -> dict[str, Any] | None:
+    """One rank (of trainer.testing.run_ranks): every contender's tokens/s; rank 0 returns them."""
     torch.set_num_threads(threads)
     cfg = load_config(Config, CONFIG, [f"data.root={corpus}"])
     quickstart_kind = cfg.comm.kind
     topo = setup_distributed(DistConfig(ranks_per_node=1))
     data = TranslationData(cfg.data, topo.rank, topo.world_size, cfg.train.seed)
     batches = list(data.train_batches(epoch=0))[:steps]
-    contenders = build_contenders(cfg, data, topo, str(Path(out).parent / f"log{rank}"))
+    contenders = build_contenders(cfg, data, topo, str(Path(workdir) / f"log{rank}"))
     for step in contenders.values():  # warm-up: first-call allocations, hook registration, thread start
         for batch in batches[:2]:
             step(batch)
@@ -104,14 +103,12 @@ def worker(rank: int, corpus: str, out: str, steps: int, rounds: int, threads: i
             tokens = sum(step(batch) for batch in batches)
             total = torch.tensor([float(tokens), time.perf_counter() - start])
             dist.all_reduce(total)  # both ranks' tokens; the mean of their seconds
-            rates[name].append(float(total[0]) / (float(total[1]) / WORLD))
-    if rank == 0:
-        Path(out).write_text(json.dumps({"rates": {k: statistics.median(v) for k, v in rates.items()},
-                                         "kind": quickstart_kind, "params": sum(
-                                             p.numel() for p in build_transformer(cfg.model, data.vocab_size)
-                                             .parameters()), "tokens_per_rank": cfg.data.max_tokens}))
-    dist.barrier()
-    teardown_distributed()
+            rates[name].append(float(total[0]) / (float(total[1]) / world))
+    if rank != 0:
+        return None
+    return {"rates": {k: statistics.median(v) for k, v in rates.items()}, "kind": quickstart_kind,
+            "params": sum(p.numel() for p in build_transformer(cfg.model, data.vocab_size).parameters()),
+            "tokens_per_rank": cfg.data.max_tokens}
 
 
 def main() -> None:
@@ -123,9 +120,7 @@ def main() -> None:
     threads = max(1, args.threads // WORLD)
     with tempfile.TemporaryDirectory() as tmp:
         corpus = synth.prepare(Path(tmp) / "corpus", n_train=3000, n_valid=20, n_test=20, vocab_size=1000)
-        out = Path(tmp) / "result.json"
-        mp.spawn(worker, args=(str(corpus), str(out), steps, rounds, threads), nprocs=WORLD, join=True)
-        result = json.loads(out.read_text())
+        result = run_ranks(worker, WORLD, tmp, str(corpus), tmp, steps, rounds, threads, timeout=3600)[0]
     rates, kind = result["rates"], result["kind"]
     base = rates["baseline DDP + Adam"]
     print(f"{result['params'] / 1e6:.2f} M parameters, <= {result['tokens_per_rank']} tokens per rank per step, "
