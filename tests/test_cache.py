@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,8 +15,8 @@ from data import CacheConfig, build_image_data
 from data.cache import DiskLevel, LowResLevel, RamLevel, SourceLevel, cache_folder, open_split_cache
 from data.images import decode_lowres
 from data.layout import list_split
+from data.prefill import epoch_samples, node_shard, prepare
 from data.reader import SampleReader
-from scripts.prepare_cache import prepare
 from tests.conftest import ROOT
 from tests.data_helpers import dali_config, write_folder
 
@@ -114,8 +115,6 @@ def test_corrupt_l3_entry_is_detected_and_rebuilt(folder, tmp_path, caplog):
 
 
 READ_RAM_LEVEL = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {root!r})
     from pathlib import Path
     from data.cache import RamLevel
     from data.layout import list_split
@@ -131,15 +130,14 @@ def test_ram_level_is_shared_between_the_processes_of_a_node(folder, tmp_path):
     level = RamLevel(split, tmp_path / "shm", keep=False)
     for i in range(len(split)):
         level.put(i, SourceLevel(split).get(i))
-    script = READ_RAM_LEVEL.format(root=str(ROOT), folder=str(folder), ram=str(tmp_path / "shm"))
+    script = READ_RAM_LEVEL.format(folder=str(folder), ram=str(tmp_path / "shm"))
     other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert other.stdout.split() == ["True", str(len(split))], other.stderr  # read, not re-filled, by another process
     level.close()
 
 
 FULL_DISK = textwrap.dedent("""
-    import logging, resource, signal, sys
-    sys.path.insert(0, {root!r})
+    import logging, resource, signal
     from data import build_image_data
     from tests.data_helpers import dali_config
     from pathlib import Path
@@ -160,7 +158,7 @@ FULL_DISK = textwrap.dedent("""
 def test_full_disk_turns_a_level_off_with_one_warning(tmp_path):
     folder = write_folder(tmp_path / "big", classes=2, per_class=5, val_per_class=2, sizes=(120, 160))
     assert min(f.stat().st_size for f in folder.rglob("*.JPEG")) > 3000
-    script = FULL_DISK.format(root=str(ROOT), folder=str(folder), tmp=str(tmp_path))
+    script = FULL_DISK.format(folder=str(folder), tmp=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     lines = out.stderr.splitlines()
@@ -194,8 +192,20 @@ def test_relative_cache_dir_lies_inside_the_dataset():
     assert cache_folder(CacheConfig(dir=""), "x") is None
 
 
+def fill_node(run, node_rank: int, nnodes: int = 2) -> dict[str, float]:
+    """prepare() of one node's shard of `run` (1 rank per node)."""
+    from trainer.schedules import get_phase
+
+    sizes = {name: len(list_split(run.data.root, name)) for name in ("train", "val")}
+    phases = [get_phase(run.schedule.phases, epoch) for epoch in range(run.train.epochs)]
+    shard = node_shard(run.data.cache, sizes, phases, run.train.seed, run.train.max_steps_per_epoch, nnodes,
+                       node_rank, 1)
+    return prepare(run.data, threads=2, shard=shard)
+
+
 def test_prepare_cache_fills_only_this_nodes_shard_and_a_warm_rerun_reads_nothing(tmp_path):
-    from scripts.prepare_cache import main
+    from recipes.resnet50 import Config
+    from trainer.config import load_config
     from trainer.schedules import get_phase
 
     root = write_folder(tmp_path / "ds", classes=2, per_class=12, val_per_class=3)
@@ -210,12 +220,16 @@ schedule:
 train: {{epochs: 2, seed: 5}}
 """)
     argv = ["--config", str(config), "--nnodes", "2", "--node-rank", "1", "--ranks-per-node", "1", "--threads", "2"]
-    stats = main(argv)
-    filled = int(stats["cache/l1_misses"])
-    assert 0 < filled < 24 + 6 and stats["prepare/already_cached"] == 0 and stats["data/skipped_images"] == 0
+    cli = subprocess.run([sys.executable, "scripts/prepare_cache.py", *argv], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert cli.returncode == 0, cli.stderr
+    wanted, total = map(int, re.search(r"node 1 of 2 \(1 ranks\): (\d+) of (\d+) files", cli.stdout).groups())
+    assert 0 < wanted < total == 24 + 6
+    copied, decoded, cached, skipped = map(int, re.search(
+        r"L1: (\d+) files copied now .* L3: (\d+) images decoded now .* (\d+) entries already cached; (\d+) bad",
+        cli.stdout).groups())
+    assert copied == wanted and 0 < decoded < wanted and cached == skipped == 0, cli.stdout  # L3 reads through L1
     # the run of node 1 (rank 1 of 2) then reads every sample from the cache, none from the files
-    from recipes.resnet50 import Config
-    from trainer.config import load_config
     cfg = load_config(Config, str(config), [])
     data = build_image_data(cfg.data, rank=1, world_size=2, seed=cfg.train.seed)
     for epoch in range(cfg.train.epochs):
@@ -228,17 +242,16 @@ train: {{epochs: 2, seed: 5}}
     data.close()
     assert run["cache/l0_hits"] == 0 and run["cache/l3_misses"] == 0 and run["cache/l3_hits"] > 0
     assert run["cache/l1_hits"] == run["cache/l2_misses"] > 0  # the 40 px epoch: L2 (RAM) misses, L1 hits
-    again = main(argv)
-    assert again["prepare/already_cached"] > filled  # L1 and L3 entries
+    again = fill_node(cfg, node_rank=1)
+    assert again["prepare/already_cached"] > copied  # L1 and L3 entries
     assert sum(v for k, v in again.items() if k.startswith("cache/")) == 0, "a warm rerun reads nothing"
-    other = main(argv[:5] + ["0"] + argv[6:])  # node 0: its own shard, partly new
+    other = fill_node(cfg, node_rank=0)  # node 0: its own shard, partly new
     assert other["cache/l1_misses"] > 0 and other["prepare/already_cached"] > 0
 
 
 @pytest.mark.parametrize("n, world, batch", [(40, 4, 3), (43, 4, 2), (43, 3, 5), (7, 8, 1)])
 def test_node_shard_samples_are_the_loaders_samples(n, world, batch):
     from data.sampling import train_batches
-    from scripts.prepare_cache import epoch_samples
     for epoch in (0, 3):
         ranks = range(1, world)
         read = epoch_samples(n, world, ranks, batch, seed=11, epoch=epoch)
