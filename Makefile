@@ -47,7 +47,8 @@ CONFIG ?= configs/resnet50_dawnbench.yaml
 cache: setup
 	$(PY) scripts/prepare_cache.py --config $(CONFIG) data.root=$(DATA) $(ARGS)
 
-# The ImageNet-like folder of scripts/bench/data.py: 3,000 + 500 real-photo JPEGs of 300-500 px.
+# The ImageNet-like folder of the input-pipeline benchmarks (scripts/bench/input_pipeline.py, data_wait.py):
+# 3,000 + 500 real-photo JPEGs of 300-500 px.
 imagenet-like: setup
 	$(PY) scripts/make_imagenet_like.py --out datasets/imagenet_like
 
@@ -106,7 +107,7 @@ tensorboard: setup
 
 bench: setup
 	@for b in scripts/bench/*.py; do case $$b in */__init__.py|*/common.py) continue;; esac; \
-	  echo "== $$b"; PYTHONPATH=. $(PY) $$b $(ARGS) || exit 1; done
+	  m=$${b%.py}; echo "== $$b"; $(PY) -m $${m//\//.} $(ARGS) || exit 1; done
 
 # Emulated cluster on one machine (root; scripts/netem/): NODES network namespaces joined by RATE-shaped links,
 # one torchrun per node (make netem-up NODES=2 RATE=1gbit; make netem-run NPROC=2 CONFIG=... ARGS=...; make netem-down).
@@ -123,4 +124,4 @@ netem-status:
 netem-run: setup
 	PY=$(PY) scripts/netem/run.sh --nproc-per-node $(NPROC) -m recipes.resnet50 --config $(CONFIG) $(ARGS)
 plan: setup
-	PYTHONPATH=. $(PY) scripts/plan.py --config $(CONFIG) $(ARGS)
+	$(PY) -m scripts.plan --config $(CONFIG) $(ARGS)

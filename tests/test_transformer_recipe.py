@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from scripts import prepare_synthetic_translation as synth
+from data import synthetic_translation as synth
 from recipes.transformer import Config
 from tests.conftest import run_ranks
 from trainer.checkpoint import Checkpointer

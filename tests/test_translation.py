@@ -11,7 +11,7 @@ import torch
 
 from data.translation import (BOS, EOS, PAD, TranslationData, TranslationDataConfig, TranslationDataError, collate,
                               eval_batches, load_manifest, prepare_corpus, token_batches)
-from scripts import prepare_synthetic_translation as synth
+from data import synthetic_translation as synth
 from trainer.translation import (Seq2SeqTransformer, TransformerConfig, corpus_bleu, evaluate_bleu, greedy_decode,
                                  translation_loss)
 from trainer.dist import Topology

@@ -16,7 +16,7 @@ L3 only (warm). The first step of each epoch (pipeline start, DALI's own prefetc
 interleaved (a, b, b, a, ...); the table gives the median over repeats of the mean wait per step.
 ratio = (b) / (a) mean data wait per step on the cold cache (lower is better).
 
-    PYTHONPATH=. python scripts/bench/data_wait.py [--quick] [--root datasets/imagenet_like] [--repeats 3]
+    python -m scripts.bench.data_wait [--quick] [--root datasets/imagenet_like] [--repeats 3]
 
 The training step's torch threads share the cores with the prefetch and DALI threads: on a 2-core machine
 --threads 1 keeps them from oversubscribing it.
@@ -26,24 +26,20 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a script, this file's folder comes first and `data` would import this file
-
 import torch
 from torch import nn
 
 from data.dali_loader import PREFETCH_BATCHES, DaliImageData
+from data.imagenet_like import prepare
 from data.layout import check_dataset
 from recipes.resnet50 import Config, ModelConfig, build_model
 from scripts.bench.common import bench_parser, emit_result, parse_args, print_table
-from scripts.make_imagenet_like import prepare
 from trainer.config import load_config
 
 IMAGE_SIZE, BATCH = 32, 32

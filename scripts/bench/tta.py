@@ -1,6 +1,6 @@
 """Time to accuracy: our recipe against a torchvision-reference-style baseline, same data, model, processes, target.
 
-    PYTHONPATH=. python scripts/bench/tta.py [--quick] [--seeds N] [--target 0.98] [--out runs/bench_tta]
+    python -m scripts.bench.tta [--quick] [--seeds N] [--target 0.98] [--out runs/bench_tta]
 
 Both sides train torchvision's ResNet-18 from scratch with 2 processes (torchrun, gloo, 1 CPU thread each) on
 datasets/imagenet_like (scripts/make_imagenet_like.py: 3,000 training and 500 held-out real-photo JPEGs of
@@ -111,14 +111,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from scripts.bench.common import print_table
+
 ROOT = Path(__file__).resolve().parents[2]
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a script, this file's folder comes first and `data` would not be ours
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from scripts.bench.common import print_table  # noqa: E402
-
 SIDES = ("baseline", "recipe")
 SIDE_COLORS = {"baseline": "tab:blue", "recipe": "tab:orange"}
 BASELINE = "torchvision reference-style (ImageFolder + DataLoader, fixed size, SGD + cosine, DDP dense)"
@@ -286,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result = {"bench": "tta", "baseline": BASELINE, "skipped": reason, "ratio": None}
         print(json.dumps(result))
         return result
-    from scripts.make_imagenet_like import prepare
+    from data.imagenet_like import prepare
 
     root = prepare(ROOT / DATA)
     stop = args.quick  # the full size runs both schedules to the end: final accuracies after all epochs

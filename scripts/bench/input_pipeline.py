@@ -10,25 +10,21 @@ Epoch 1 is a warm-up (it also fills the caches); epochs 2.. are timed, interleav
 ratio (JSON: best_ratio) = best contender images/s / baseline images/s. "CPU ms/image" (all threads and
 worker processes) is the cost per image, which load from other jobs on a shared machine leaves alone.
 
-    PYTHONPATH=. python scripts/bench/data.py [--quick] [--root datasets/imagenet_like]
+    python -m scripts.bench.input_pipeline [--quick] [--root datasets/imagenet_like]
 """
 
 from __future__ import annotations
 
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a script, this file's folder comes first and `data` would import this file
-
 from data import CacheConfig, DataConfig, build_image_data
+from data.imagenet_like import prepare
 from scripts.bench.common import bench_parser, emit_result, parse_args, print_table
-from scripts.make_imagenet_like import prepare
 
 IMAGE_SIZE, BATCH = 128, 64
 
