@@ -12,41 +12,35 @@ tokens/s counts the target tokens of both ranks (the recipe's time/tokens_per_s)
 alternating rounds so that load from other processes falls on all alike; medians of the rounds.
 ratio (JSON) = the quickstart's comm.kind / baseline.
 
-    PYTHONPATH=. python scripts/bench/transformer.py [--quick]
+    python -m scripts.bench.transformer [--quick]
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[2]
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a script, this file's folder comes first and `data` would be scripts/bench/data.py
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from data.translation import TranslationData  # noqa: E402
-from recipes.transformer import Config  # noqa: E402
-from scripts import prepare_synthetic_translation as synth  # noqa: E402
-from scripts.bench.common import bench_parser, emit_result, parse_args, print_table  # noqa: E402
-from trainer.comm import build_communicator  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.dist import DistConfig, setup_distributed  # noqa: E402
-from trainer.loop import Trainer  # noqa: E402
-from trainer.metrics import LogConfig, MetricsLogger  # noqa: E402
-from trainer.optim import build_optimizer  # noqa: E402
-from trainer.testing import run_ranks  # noqa: E402
-from trainer.translation import TranslationTask, build_transformer, translation_loss  # noqa: E402
+from data import synthetic_translation as synth
+from data.translation import TranslationData
+from recipes.transformer import Config
+from scripts.bench.common import bench_parser, emit_result, parse_args, print_table
+from trainer.comm import build_communicator
+from trainer.config import load_config
+from trainer.dist import DistConfig, setup_distributed
+from trainer.loop import Trainer
+from trainer.metrics import LogConfig, MetricsLogger
+from trainer.optim import build_optimizer
+from trainer.testing import run_ranks
+from trainer.translation import TranslationTask, build_transformer, translation_loss
 
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "transformer_quickstart_cpu.yaml"
 WORLD = 2
 
