@@ -222,5 +222,5 @@ def test_plan_prints_the_paper_setting_next_to_the_published_times(capsys):
     out = plan.main(["--calibration", ""])
     text = capsys.readouterr().out
     assert "2:31" in text and "2:38" in text and "Recommendation:" in text
-    assert out["recommended"].startswith(("hitopk", "topk", "dense"))
+    assert out["recommended"].startswith("hitopk ")  # 25 Gbit/s between 128 V100s: the hierarchical exchange wins
     assert math.isfinite(out["recommended_s"]) and out["recommended_s"] < out["dense_s"]
