@@ -37,7 +37,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repo importable
 
-from trainer.metrics import DawnbenchWriter  # noqa: E402  (the TSV format is defined once, there)
+from trainer.classification import DawnbenchWriter  # noqa: E402  (the TSV format is defined once, there)
 
 DAWNBENCH_VERSION = "v1.0"  # the only version the entries repository defines
 LEADERBOARD = "https://dawn.cs.stanford.edu/benchmark/"

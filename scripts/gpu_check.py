@@ -692,14 +692,12 @@ def _train_steps(trainer: Any, batches: Any, device: Any, warmup: int, timed: in
             "sync_sites": sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})}
 
 
-def _trainer(train_cfg: Any, optim_cfg: Any, topo: Any, model: Any, task: Any, optimizer: Any, comm: Any,
-             log_dir: str) -> Any:
-    from trainer.loop import Trainer
-    from trainer.metrics import LogConfig, MetricsLogger
-    from trainer.schedules import ScheduleConfig
+def _trainer(train_cfg: Any, topo: Any, model: Any, task: Any, optimizer: Any, comm: Any, log_dir: str) -> Any:
+    from trainer.loop import Components, LoopConfig, Trainer
+    from trainer.metrics import LogConfig
 
-    return Trainer(train_cfg, ScheduleConfig(), optim_cfg, LogConfig(dir=log_dir, tensorboard=False, progress=False),
-                   topo, model, task, optimizer, comm, MetricsLogger([]), {})
+    return Trainer(LoopConfig(train_cfg, log=LogConfig(dir=log_dir, tensorboard=False, progress=False)), topo, task,
+                   Components(model, optimizer, comm))
 
 
 def _step_detail(r: dict, unit: str, gpu: bool) -> str:
@@ -720,8 +718,7 @@ def check_train_resnet50(device: Any) -> list[Row]:
     import torchvision
 
     from data import DataConfig, build_image_data
-    from trainer.classification import ClassificationTask
-    from trainer.loop import TrainConfig
+    from trainer.classification import ClassificationTask, ClassificationTrainConfig
     from trainer.optim import OptimConfig, build_optimizer
     from trainer.schedules import Phase
 
@@ -740,12 +737,13 @@ def check_train_resnet50(device: Any) -> list[Row]:
     optim_cfg = OptimConfig(name="lars", lr=0.1, momentum=0.9, weight_decay=5e-5, trust_coefficient=0.001,
                             trust_clip=True)
     optimizer = build_optimizer(model, optim_cfg)
-    train_cfg = TrainConfig(epochs=len(phases), amp="fp16" if gpu else "off", loss_scale="dynamic")
+    train_cfg = ClassificationTrainConfig(epochs=len(phases), amp="fp16" if gpu else "off", loss_scale="dynamic",
+                                          channels_last=True)
     rows = []
     with one_rank_world(device) as topo, tempfile.TemporaryDirectory() as log_dir:
         comm = one_rank_communicator("topk", model, topo, bucket_mb=25.0, density=0.01)
-        task = ClassificationTask(model, data, topo, phases, 0.1, channels_last=True)
-        trainer = _trainer(train_cfg, optim_cfg, topo, model, task, optimizer, comm, log_dir)
+        task = ClassificationTask(model, data, topo, phases, train_cfg, 0.1)
+        trainer = _trainer(train_cfg, topo, model, task, optimizer, comm, log_dir)
         for phase in phases:
             batches = task.train_batches(phase, 0)
             r = _train_steps(trainer, batches, device, warmup=3 if gpu else 0, timed=10 if gpu else 1,
@@ -784,9 +782,9 @@ def check_train_transformer(device: Any) -> list[Row]:
     import torch
 
     from data.translation import BOS, EOS, TranslationBatch
+    from recipes.transformer_model import TransformerConfig, build_transformer
     from trainer.loop import TrainConfig
     from trainer.optim import OptimConfig, build_optimizer
-    from trainer.translation import TransformerConfig, build_transformer
 
     require_device(device)
     gpu = device.type == "cuda"
@@ -814,8 +812,7 @@ def check_train_transformer(device: Any) -> list[Row]:
     train_cfg = TrainConfig(epochs=1, amp="fp16" if gpu else "off", loss_scale="dynamic")
     with one_rank_world(device) as topo, tempfile.TemporaryDirectory() as log_dir:
         comm = one_rank_communicator("topk", model, topo, bucket_mb=25.0, density=0.01)
-        trainer = _trainer(train_cfg, optim_cfg, topo, model, _TokenTask(model, cfg.label_smoothing), optimizer,
-                           comm, log_dir)
+        trainer = _trainer(train_cfg, topo, model, _TokenTask(model, cfg.label_smoothing), optimizer, comm, log_dir)
         r = _train_steps(trainer, itertools.cycle(pool), device, warmup=3 if gpu else 0, timed=10 if gpu else 2,
                          units=lambda b: sentences * length)
         comm.detach()

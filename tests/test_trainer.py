@@ -202,15 +202,15 @@ def test_closing_the_heartbeat_waits_until_its_thread_is_out_of_the_store(tmp_pa
 def test_amp_choices_on_the_cpu(monkeypatch):
     """auto is fp32 on the CPU, fp16 needs CUDA, and bf16 warns where the CPU would only emulate it."""
     import warnings
-    import trainer.loop as loop
+    import trainer.precision as precision
     cpu = torch.device("cpu")
-    assert loop.resolve_amp("auto", cpu) is None and loop.resolve_amp("off", cpu) is None
+    assert precision.resolve_amp("auto", cpu) is None and precision.resolve_amp("off", cpu) is None
     with pytest.raises(ConfigError, match="fp16 needs CUDA"):
-        loop.resolve_amp("fp16", cpu)
-    monkeypatch.setattr(loop, "cpu_has_native_bf16", lambda: False)
+        precision.resolve_amp("fp16", cpu)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     with pytest.warns(UserWarning, match="emulated"):
-        assert loop.resolve_amp("bf16", cpu) is torch.bfloat16
-    monkeypatch.setattr(loop, "cpu_has_native_bf16", lambda: True)
+        assert precision.resolve_amp("bf16", cpu) is torch.bfloat16
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert loop.resolve_amp("bf16", cpu) is torch.bfloat16
+        assert precision.resolve_amp("bf16", cpu) is torch.bfloat16

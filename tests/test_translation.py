@@ -12,8 +12,9 @@ import torch
 from data.translation import (BOS, EOS, PAD, TranslationData, TranslationDataConfig, TranslationDataError, collate,
                               eval_batches, load_manifest, prepare_corpus, token_batches)
 from data import synthetic_translation as synth
-from trainer.translation import (Seq2SeqTransformer, TransformerConfig, corpus_bleu, evaluate_bleu, greedy_decode,
-                                 translation_loss)
+from recipes.transformer_model import Seq2SeqTransformer, TransformerConfig
+from trainer.decoding import corpus_bleu, evaluate_bleu, greedy_decode
+from trainer.translation import translation_loss
 from trainer.dist import Topology
 from trainer.optim import maybe_clip_gradients
 

@@ -1,11 +1,12 @@
 """Image classification as a `Task` (trainer/task.py): label-smoothed cross-entropy on images from
-data.build_image_data, top-1/top-5 evaluation, and the `train` keys the ResNet recipe adds (targets,
-channels-last).
+data.build_image_data, top-1/top-5 evaluation, the DAWNBench TSV, and the `train` keys the ResNet recipe
+adds (targets, channels-last).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -14,7 +15,9 @@ from torch import nn
 from trainer.config import require
 from trainer.dist import Topology, all_reduce_sum, broadcast_module
 from trainer.loop import TrainConfig
+from trainer.metrics import Writer
 from trainer.schedules import Phase
+from trainer.task import Task
 
 
 @dataclass
@@ -33,27 +36,49 @@ class ClassificationTrainConfig(TrainConfig):
             require(0 <= value <= 1, f"train.{name}: a fraction in [0, 1] (e.g. 0.93), got {value}")
 
 
+class DawnbenchWriter(Writer):
+    """The DAWNBench TSV (`epoch hours top1Accuracy top5Accuracy`, accuracies in percent), one row per eval."""
+
+    HEADER = "epoch\thours\ttop1Accuracy\ttop5Accuracy\n"
+
+    def __init__(self, path: Path) -> None:
+        fresh = not path.exists()
+        self.file = open(path, "a", buffering=1)
+        if fresh:
+            self.file.write(self.HEADER)
+
+    def write(self, kind: str, step: int, record: dict[str, float]) -> None:
+        if kind == "epoch" and "eval/top1" in record:
+            self.file.write(f"{int(record['epoch']) + 1}\t{record['time/elapsed_s'] / 3600:.6f}\t"
+                            f"{100 * record['eval/top1']:.4f}\t{100 * record['eval/top5']:.4f}\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
     """Number of top-1 and top-5 hits (top-k capped at the number of classes)."""
     top = logits.topk(min(5, logits.shape[1]), dim=1).indices
     return int((top[:, 0] == labels).sum()), int((top == labels[:, None]).any(dim=1).sum())
 
 
-class ClassificationTask:
-    """A model and an image data source (`data.build_image_data`); phases set image and global batch size."""
+class ClassificationTask(Task):
+    """A model and an image data source (`data.build_image_data`); phases set image and global batch size.
+    With `train.channels_last` the model (in place) and every batch use the channels-last memory format."""
 
     unit = "images"
 
-    def __init__(self, model: nn.Module, data: Any, topo: Topology, phases: list[Phase], label_smoothing: float = 0.0,
-                 channels_last: bool = False, target_top1: float = 0.0, target_top5: float = 0.0) -> None:
+    def __init__(self, model: nn.Module, data: Any, topo: Topology, phases: list[Phase],
+                 train: ClassificationTrainConfig, label_smoothing: float = 0.0) -> None:
         for p in phases:
             require(p.batch_size % topo.world_size == 0,
                     f"schedule.phases: batch_size {p.batch_size} (global) is not divisible by the world size "
                     f"{topo.world_size}")
-        self.model, self.data, self.topo = model, data, topo
+        self.memory_format = torch.channels_last if train.channels_last else torch.contiguous_format
+        self.model = model.to(memory_format=torch.channels_last) if train.channels_last else model
+        self.data, self.topo = data, topo
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.targets = {"top1": target_top1, "top5": target_top5}
+        self.targets = {"top1": train.target_top1, "top5": train.target_top5}
         self._loader_phase: Phase | None = None
         self._loader = None
 
@@ -111,20 +136,22 @@ class ClassificationTask:
             return False
         return all(record[f"eval/{name}"] >= target for name, target in self.targets.items())
 
-    # ------------------------------------------------------------ reporting and state
+    # ------------------------------------------------------------ reporting
 
     def describe(self, phase: Phase) -> str:
         return (f"{phase.image_size:>4} px  global batch {phase.batch_size} ({self.per_rank_batch(phase)}/rank), "
                 f"{self.data.train_size} training images")
+
+    def report(self, summary: dict[str, Any]) -> list[str]:
+        if summary["final_top1"] is None:
+            return []
+        return [f"final top-1 {summary['final_top1']:.4f}  top-5 {summary['final_top5']:.4f}"]
+
+    def writers(self, run_dir: Path) -> list[Writer]:
+        return [DawnbenchWriter(run_dir / "dawnbench.tsv")]
 
     def stats(self) -> dict[str, float]:
         """The current phase's sizes, and the data source's counters (cache levels, skipped images; this rank)."""
         phase = {} if self._loader_phase is None else {"phase/image_size": self._loader_phase.image_size,
                                                        "phase/batch_size": self._loader_phase.batch_size}
         return {**phase, **self.data.stats()}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # the data order is a pure function of (seed, epoch): the trainer's position is enough
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass

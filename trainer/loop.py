@@ -18,25 +18,24 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import random
 import time
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal, Protocol
 
-import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from trainer.checkpoint import Checkpointer, CheckpointWriteError
 from trainer.comm import Communicator
-from trainer.config import ConfigError, require
+from trainer.config import require, to_dict
 from trainer.dist import ReplicaGuard, Topology, all_reduce_sum, broadcast_flag, broadcast_module
 from trainer.metrics import LogConfig, MetricsLogger
-from trainer.optim import OptimConfig, set_lr_momentum
-from trainer.schedules import Phase, ScheduleConfig, get_lr, get_momentum, get_phase
+from trainer.optim import set_lr_momentum
+from trainer.precision import autocast, build_grad_scaler, resolve_amp
+from trainer.rng import rng_state, set_rng_state
+from trainer.schedules import Phase, ScheduleConfig, build_schedule
 from trainer.task import Task
 
 
@@ -98,74 +97,81 @@ class TrainConfig:
         return bool(self.resume)
 
 
-def seed_everything(seed: int, deterministic: bool = False) -> None:
-    """Seed Python, NumPy and torch; `deterministic` also forbids nondeterministic kernels."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if deterministic:
-        # cuBLAS needs a fixed workspace for reproducible GEMMs (read when its handle is created):
-        # https://docs.nvidia.com/cuda/cublas/#results-reproducibility
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
+class RunConfig(Protocol):
+    """The sections of a root config the Trainer reads (a recipe's `Config`, or `LoopConfig`)."""
+
+    train: TrainConfig
+    schedule: ScheduleConfig
+    log: LogConfig
 
 
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """This process's random generators (one entry per rank in a checkpoint)."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+@dataclass
+class LoopConfig:
+    """A root config of only the sections the Trainer reads: for a Trainer built without a recipe (tests,
+    benchmarks, the GPU check)."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Epochs, precision, checkpoints."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning rate, momentum and phases."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Outputs."""
 
 
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
+@dataclass
+class Components:
+    """The runtime objects a Trainer drives, built from the other sections (`trainer.run` builds them)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    comm: Communicator
+    metrics: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
+    """Rank 0's writers; the null logger writes nothing."""
+    guard: ReplicaGuard | None = None
+    """The replica-consistency check (dist.check_every_steps); None = never."""
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX); elsewhere oneDNN emulates it."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, hence the getattr
-    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+@dataclass
+class Meter:
+    """Items trained and seconds waited for data since `start`: over an epoch, or over a logging window."""
+
+    start: float = field(default_factory=time.perf_counter)
+    units: int = 0
+    data_s: float = 0.0
+    steps: int = 0
+
+    def add(self, units: int, waited_s: float) -> None:
+        self.units, self.data_s, self.steps = self.units + units, self.data_s + waited_s, self.steps + 1
 
 
-def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for full precision."""
-    if amp == "auto":
-        return torch.float16 if device.type == "cuda" else None
-    if amp == "fp16" and device.type != "cuda":
-        raise ConfigError("train.amp: fp16 needs CUDA; use bf16 or off on the CPU")
-    if amp == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
-        # measured: ResNet-18 steps ~20x slower than fp32 on an AVX2-only EPYC, 1.4-1.7x faster with AVX512-BF16
-        warnings.warn("train.amp: bf16 on a CPU without AVX512-BF16 or AMX is emulated and far slower than "
-                      "fp32 here; train.amp=off is the fast choice on this machine", stacklevel=2)
-    return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+def timed_next(batches: Iterator[Any]) -> tuple[Any, float]:
+    """The next batch (None at the end) and the seconds spent waiting for it."""
+    start = time.perf_counter()
+    batch = next(batches, None)
+    return batch, time.perf_counter() - start
 
 
 class Trainer:
-    """Runs the schedule's phases over a `Task`; all training state lives here and is checkpointable."""
+    """Runs the schedule's phases over a `Task`; all training state lives here and is checkpointable.
 
-    def __init__(self, train: TrainConfig, schedule: ScheduleConfig, optim: OptimConfig, log: LogConfig,
-                 topo: Topology, model: nn.Module, task: Task, optimizer: torch.optim.Optimizer, comm: Communicator,
-                 metrics: MetricsLogger, run_config: dict, guard: ReplicaGuard | None = None) -> None:
-        self.cfg, self.schedule, self.optim_cfg, self.log_cfg = train, schedule, optim, log
-        self.topo, self.model, self.task, self.optimizer, self.comm = topo, model, task, optimizer, comm
-        self.metrics, self.run_config = metrics, run_config
-        self.guard = guard or ReplicaGuard(0, topo)
-        # No phase table (e.g. translation): one phase spanning the run.
-        self.phases: list[Phase] = schedule.phases or [Phase(start_epoch=0, end_epoch=train.epochs)]
-        self.amp_dtype = resolve_amp(train.amp, topo.device)
-        scaled = train.loss_scale == "dynamic" or (train.loss_scale == "auto" and self.amp_dtype == torch.float16)
-        self.scaler = torch.amp.GradScaler(topo.device.type, enabled=scaled)
+    `cfg` is the run's root config: the Trainer reads its `train`, `schedule` and `log` sections and
+    stores all of it in every checkpoint."""
+
+    def __init__(self, cfg: RunConfig, topo: Topology, task: Task, components: Components) -> None:
+        self.train_cfg, self.log_cfg, self.run_config = cfg.train, cfg.log, to_dict(cfg)
+        self.topo, self.task = topo, task
+        self.model, self.optimizer, self.comm = components.model, components.optimizer, components.comm
+        self.metrics = components.metrics
+        self.guard = components.guard or ReplicaGuard(0, topo)
+        self.schedule = build_schedule(cfg.schedule, self.optimizer, cfg.train.epochs)
+        self.phases: list[Phase] = self.schedule.phases
+        self.amp_dtype = resolve_amp(cfg.train.amp, topo.device)
+        self.scaler = build_grad_scaler(cfg.train.loss_scale, self.amp_dtype, topo.device)
         # The scaler skips optimizer.step() after an overflow; this hook tells us whether it ran, without
         # reading the scale back from the device (the scaler's own check is the step's one host sync).
         self._stepped = False
-        optimizer.register_step_post_hook(self._on_optimizer_step)
-        self.checkpointer = Checkpointer(Path(log.dir) / "checkpoints", train.keep_checkpoints)
+        self.optimizer.register_step_post_hook(self._on_optimizer_step)
+        self.checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", cfg.train.keep_checkpoints)
         # State (checkpointed): next epoch and the steps of it already done, global step, wall-clock seconds
         # so far, eval history, target time, steps the loss scaler skipped.
         self.epoch, self.step_in_epoch, self.step, self.elapsed_s = 0, 0, 0, 0.0
@@ -189,6 +195,7 @@ class Trainer:
                 "rng": rng_states, "config": self.run_config}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned, this rank's RNG entry included."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
@@ -203,7 +210,7 @@ class Trainer:
 
     def maybe_resume(self) -> str | None:
         """When resuming (train.resume), load the newest valid checkpoint (rank 0 reads, broadcasts)."""
-        if not self.cfg.should_resume():
+        if not self.train_cfg.should_resume():
             return None
         found = self.checkpointer.load_latest() if self.topo.is_main else None
         found = (found[0], str(found[1])) if found else None
@@ -215,13 +222,14 @@ class Trainer:
         return found[1]
 
     def should_checkpoint_step(self) -> bool:
-        every = self.cfg.checkpoint_every_steps
+        """Every train.checkpoint_every_steps optimizer steps (never when 0)."""
+        every = self.train_cfg.checkpoint_every_steps
         return bool(every) and self.step % every == 0
 
     def should_checkpoint_epoch(self, last: bool) -> bool:
         """After `self.epoch` was advanced: every checkpoint_every_epochs, and at the end if any are written."""
-        every = self.cfg.checkpoint_every_epochs
-        return (bool(every) and self.epoch % every == 0) or (last and bool(every or self.cfg.checkpoint_every_steps))
+        every, every_steps = self.train_cfg.checkpoint_every_epochs, self.train_cfg.checkpoint_every_steps
+        return (bool(every) and self.epoch % every == 0) or (last and bool(every or every_steps))
 
     def checkpoint(self) -> None:
         """Collective: rank 0 writes every rank's state; if it cannot (a full disk), all ranks stop together.
@@ -237,7 +245,7 @@ class Trainer:
         if self.topo.is_main:
             try:
                 state = self.state_dict(comm_state, rng_states)
-                if self.cfg.checkpoint_in_background:
+                if self.train_cfg.checkpoint_in_background:
                     self.checkpointer.save_in_background(state, self.step)
                 else:
                     self.checkpointer.save(state, self.step)
@@ -266,42 +274,50 @@ class Trainer:
     # ------------------------------------------------------------ steps
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.topo.device.type, dtype=self.amp_dtype)
+        """The run's autocast (train.amp) on this rank's device."""
+        return autocast(self.topo.device, self.amp_dtype)
 
     def steps_per_epoch(self, phase: Phase) -> int:
+        """The task's steps per epoch of `phase`, capped by train.max_steps_per_epoch."""
         steps = self.task.steps_per_epoch(phase)
-        return min(steps, self.cfg.max_steps_per_epoch) if self.cfg.max_steps_per_epoch else steps
+        return min(steps, self.train_cfg.max_steps_per_epoch) if self.train_cfg.max_steps_per_epoch else steps
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._stepped = True
 
     def train_step(self, batch: Any) -> tuple[torch.Tensor, int, dict[str, float]]:
-        """Forward, backward (buckets launch from hooks), wait for the gradient exchange, optimizer step.
-
-        With a loss scaler the communicator gets the step's scale as a device tensor (its error feedback keeps
-        residuals unscaled), and a step the scaler skips is rolled back in the communicator too."""
+        """Forward, backward (buckets launch from hooks), wait for the gradient exchange, optimizer step;
+        (the loss, this rank's units, the communicator's stats)."""
         self.model.train()
         with self.autocast():
             loss, units = self.task.loss(batch)
-        if self.scaler.is_enabled():
-            self.comm.set_grad_scale(self.scaler.scale(torch.ones((), device=self.topo.device)))
-        self.scaler.scale(loss).backward()
+        self.backward(loss)
         comm_stats = self.comm.finish()
-        self._stepped = False
-        if self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)  # skipped when the gradients hold inf/NaN
-            self.scaler.update()
-            if not self._stepped:
-                self.comm.rollback()
-            self.count_skip(not self._stepped)
-        else:
-            self.check_finite(loss)
-            self.optimizer.step()
+        self.optimizer_step(loss)
         self.optimizer.zero_grad(set_to_none=True)
         self.guard.maybe_check(self.model, self.step + 1)
         return loss.detach(), units, comm_stats
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of the (scaled) loss. With a loss scaler the communicator gets the step's scale as a device
+        tensor first: its error feedback keeps residuals unscaled."""
+        if self.scaler.is_enabled():
+            self.comm.set_grad_scale(self.scaler.scale(torch.ones((), device=self.topo.device)))
+        self.scaler.scale(loss).backward()
+
+    def optimizer_step(self, loss: torch.Tensor) -> None:
+        """With a loss scaler: the step, unless the gradients hold inf/NaN; a skipped step is rolled back in the
+        communicator too, and counted. Without one: a non-finite gradient stops the run before the step."""
+        if not self.scaler.is_enabled():
+            self.check_finite(loss)
+            self.optimizer.step()
+            return
+        self._stepped = False
+        self.scaler.step(self.optimizer)  # skipped when the gradients hold inf/NaN
+        self.scaler.update()
+        if not self._stepped:
+            self.comm.rollback()
+        self.count_skip(not self._stepped)
 
     def check_finite(self, loss: torch.Tensor) -> None:
         """Stop before a non-finite update: one host sync. The gradients are averaged (equal on every rank; a
@@ -319,6 +335,7 @@ class Trainer:
                 "untouched and the newest checkpoint is good (train.loss_scale=dynamic would skip such steps)")
 
     def count_skip(self, skipped: bool) -> None:
+        """Count a step the loss scaler skipped; too many in a row (train.max_skipped_steps) stop the run."""
         if not skipped:
             self.skipped_in_a_row = 0
             return
@@ -326,7 +343,7 @@ class Trainer:
         if self.topo.is_main:
             tqdm.write(f"step {self.step + 1}: non-finite gradients, step skipped (loss scale now "
                        f"{self.scaler.get_scale():g}; {self.skipped_steps} skipped so far)")
-        if self.skipped_in_a_row >= self.cfg.max_skipped_steps:
+        if self.skipped_in_a_row >= self.train_cfg.max_skipped_steps:
             raise FloatingPointError(
                 f"the loss scaler skipped {self.skipped_in_a_row} steps in a row, up to step {self.step + 1}: "
                 "the gradients are never finite (broken weights or data, not an fp16 overflow); stopping "
@@ -345,98 +362,137 @@ class Trainer:
         if resumed_from is None:
             broadcast_module(self.model, self.topo)
         self.print_plan(resumed_from)
-        total_steps = sum(self.steps_per_epoch(get_phase(self.phases, e)) for e in range(self.cfg.epochs))
-        done_steps = sum(self.steps_per_epoch(get_phase(self.phases, e)) for e in range(self.epoch))
-        bar = tqdm(total=total_steps, initial=min(total_steps, done_steps + self.step_in_epoch),
-                   disable=not (self.topo.is_main and self.log_cfg.progress), unit="step", dynamic_ncols=True)
+        untrained = self.test("untrained") if resumed_from is None else {}
+        bar = self.progress_bar()
         self._clock = time.perf_counter() - self.elapsed_s
-        stop = self.time_to_target_s is not None and self.cfg.stop_at_target
-        while self.epoch < self.cfg.epochs and not stop:
-            phase = get_phase(self.phases, self.epoch)
-            # A phase has one image size: let cuDNN pick the fastest convolution algorithms for it (unless
-            # deterministic kernels were asked for).
-            torch.backends.cudnn.benchmark = not self.cfg.deterministic
-            epoch_start = time.perf_counter()
-            record = {"epoch": self.epoch, **self.train_epoch(phase, bar)}
-            last = self.epoch + 1 == self.cfg.epochs
-            if self.should_evaluate(last):
-                record.update(self.evaluate(phase))
-                reached = broadcast_flag(self.task.target_reached(record), self.topo)
-                if reached and self.time_to_target_s is None:
-                    self.time_to_target_s = time.perf_counter() - self._clock
-                stop = reached and self.cfg.stop_at_target
-                bar.set_postfix(epoch=self.epoch, **{k[5:]: f"{v:.4f}" for k, v in record.items()
-                                                     if k.startswith("eval/") and k != "eval/loss"})
-            self.elapsed_s = time.perf_counter() - self._clock
-            record.update({"time/epoch_s": time.perf_counter() - epoch_start, "time/elapsed_s": self.elapsed_s,
-                           "time/checkpoint_s": self.checkpoint_s, "train/skipped_steps": self.skipped_steps})
-            record.update(self.task.stats())  # e.g. cache hits/misses per level, skipped images (this rank)
-            if any(k.startswith("eval/") for k in record):
-                self.history.append({k: v for k, v in record.items()
-                                     if k in ("epoch", "time/elapsed_s") or k.startswith("eval/")})
-            self.metrics.log("epoch", self.step, record)
-            self.epoch, self.step_in_epoch = self.epoch + 1, 0
-            if self.should_checkpoint_epoch(last or stop):
-                self.checkpoint()
+        stop = self.time_to_target_s is not None and self.train_cfg.stop_at_target
+        while self.epoch < self.train_cfg.epochs and not stop:
+            stop = self.run_epoch(self.schedule.phase(self.epoch), bar)
         bar.close()
         self.wait_for_checkpoints()
-        return self.finish_summary()
+        return self.finish_summary(untrained, self.test("trained"))
 
-    def should_evaluate(self, last: bool) -> bool:
-        return last or (self.epoch + 1) % self.cfg.eval_every_epochs == 0
-
-    def should_log(self) -> bool:
-        return self.step % self.log_cfg.every_steps == 0
+    def run_epoch(self, phase: Phase, bar: tqdm) -> bool:
+        """Train the epoch, evaluate and checkpoint when due, log it; whether the run stops at its target."""
+        # A phase has one image size: let cuDNN pick the fastest convolution algorithms for it (unless
+        # deterministic kernels were asked for).
+        torch.backends.cudnn.benchmark = not self.train_cfg.deterministic
+        epoch_start = time.perf_counter()
+        record = {"epoch": self.epoch, **self.train_epoch(phase, bar)}
+        last = self.epoch + 1 == self.train_cfg.epochs
+        stop = False
+        if self.should_evaluate(last):
+            record.update(self.evaluate(phase))
+            stop = self.check_target(record)
+            bar.set_postfix(epoch=self.epoch, **{k[5:]: f"{v:.4f}" for k, v in record.items()
+                                                 if k.startswith("eval/") and k != "eval/loss"})
+        self.log_epoch(record, epoch_start)
+        self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        if self.should_checkpoint_epoch(last or stop):
+            self.checkpoint()
+        return stop
 
     def train_epoch(self, phase: Phase, bar: tqdm) -> dict[str, float]:
         """The rest of the epoch: from `self.step_in_epoch` (0, or where a mid-epoch checkpoint was taken)."""
-        steps, start = self.steps_per_epoch(phase), self.step_in_epoch
-        peak, total, unit = self.optim_cfg.lr, float(self.cfg.epochs), self.task.unit
-        units_seen, data_s, done = 0, 0.0, 0
+        steps, first = self.steps_per_epoch(phase), self.step_in_epoch
+        epoch, window, done = Meter(), Meter(), 0
         loss_sum = torch.zeros((), device=self.topo.device)  # summed on the device: no per-step host sync
-        window_start, window_units, window_data_s, window_steps = time.perf_counter(), 0, 0.0, 0
-        epoch_start = time.perf_counter()
-        batches = self.task.train_batches(phase, self.epoch, start) if start < steps else iter(())
-        for i in range(start, steps):
-            fetch = time.perf_counter()
-            batch = next(batches, None)
+        batches = self.task.train_batches(phase, self.epoch, first) if first < steps else iter(())
+        for i in range(first, steps):
+            batch, waited_s = timed_next(batches)
             if batch is None:
                 break
-            waited = time.perf_counter() - fetch
-            data_s, window_data_s, window_steps = data_s + waited, window_data_s + waited, window_steps + 1
-            lr = get_lr(self.epoch + i / steps, self.schedule, peak, total) * phase.lr_scale
-            momentum = get_momentum(lr, peak, self.schedule, self.optim_cfg.momentum)
-            set_lr_momentum(self.optimizer, lr, momentum)
+            lr, momentum = self.apply_schedule(self.epoch + i / steps, phase)
             loss, units, comm_stats = self.train_step(batch)
             loss_sum += loss.float()
             self.step, self.step_in_epoch, done = self.step + 1, i + 1, done + 1
-            units_seen, window_units = units_seen + units, window_units + units
+            epoch.add(units, waited_s)
+            window.add(units, waited_s)
             bar.update(1)
             if self.should_log():
-                value = float(loss)
-                (window_units,) = all_reduce_sum([window_units], self.topo)  # every rank's, not ours times W
-                now = time.perf_counter()
-                self.metrics.log("step", self.step, {
-                    "epoch": self.epoch + i / steps, "loss/train": value, "schedule/lr": lr,
-                    "schedule/momentum": momentum, f"time/{unit}_per_s": window_units / (now - window_start),
-                    "time/data_wait_s": window_data_s / max(1, window_steps),
-                    "train/skipped_steps": self.skipped_steps, **{f"comm/{k}": v for k, v in comm_stats.items()},
-                    **self.optimizer_metrics()})
-                bar.set_postfix(epoch=self.epoch, loss=f"{value:.3f}", lr=f"{lr:.3g}")
-                window_start, window_units, window_data_s, window_steps = now, 0, 0.0, 0
+                self.log_step(self.epoch + i / steps, loss, lr, momentum, comm_stats, window, bar)
+                window = Meter()
             if self.should_checkpoint_step():
                 self.checkpoint()
         if hasattr(batches, "close"):
             batches.close()  # let the task's generator release its loader state now
-        seconds = time.perf_counter() - epoch_start
-        (units_seen,) = all_reduce_sum([units_seen], self.topo)
-        return {"loss/train_epoch": float(loss_sum) / max(1, done), f"time/{unit}_per_s_epoch": units_seen / seconds,
-                "time/data_share": data_s / seconds}
+        seconds = time.perf_counter() - epoch.start
+        (units,) = all_reduce_sum([epoch.units], self.topo)
+        return {"loss/train_epoch": float(loss_sum) / max(1, done), f"time/{self.task.unit}_per_s_epoch":
+                units / seconds, "time/data_share": epoch.data_s / seconds}
+
+    def apply_schedule(self, epoch: float, phase: Phase) -> tuple[float, float | None]:
+        """Set the scheduled lr and momentum for the step at fractional `epoch`; returns both."""
+        lr = self.schedule.lr(epoch, phase)
+        momentum = self.schedule.momentum(lr)
+        set_lr_momentum(self.optimizer, lr, momentum)
+        return lr, momentum
+
+    def evaluate(self, phase: Phase) -> dict[str, float]:
+        """The task's `eval/*` metrics (a collective), under the run's autocast."""
+        with torch.no_grad(), self.autocast():
+            return self.task.evaluate(phase)
+
+    def check_target(self, record: dict[str, float]) -> bool:
+        """Collective: whether the evaluation in `record` meets the task's target (rank 0 decides; the first
+        time stops the clock); True when the run should stop there (train.stop_at_target)."""
+        reached = broadcast_flag(self.task.target_reached(record), self.topo)
+        if reached and self.time_to_target_s is None:
+            self.time_to_target_s = time.perf_counter() - self._clock
+        return reached and self.train_cfg.stop_at_target
+
+    def test(self, when: str) -> dict[str, float]:
+        """Collective: the task's held-out test scores (`when`: untrained or trained), logged as
+        eval/test_<name>_<when>; outside the clock."""
+        with torch.no_grad(), self.autocast():
+            scores = self.task.test()
+        if scores:
+            self.metrics.log("test", self.step, {f"eval/test_{name}_{when}": v for name, v in scores.items()})
+        return scores
+
+    def should_evaluate(self, last: bool) -> bool:
+        return last or (self.epoch + 1) % self.train_cfg.eval_every_epochs == 0
+
+    def should_log(self) -> bool:
+        return self.step % self.log_cfg.every_steps == 0
+
+    # ------------------------------------------------------------ logging
+
+    def log_step(self, epoch: float, loss: torch.Tensor, lr: float, momentum: float | None,
+                 comm_stats: dict[str, float], window: Meter, bar: tqdm) -> None:
+        """The step record: loss, schedule, throughput and data wait over the window, comm and optimizer stats."""
+        value = float(loss)
+        (units,) = all_reduce_sum([window.units], self.topo)  # every rank's, not ours times W
+        self.metrics.log("step", self.step, {
+            "epoch": epoch, "loss/train": value, "schedule/lr": lr,
+            **({} if momentum is None else {"schedule/momentum": momentum}),
+            f"time/{self.task.unit}_per_s": units / (time.perf_counter() - window.start),
+            "time/data_wait_s": window.data_s / max(1, window.steps), "train/skipped_steps": self.skipped_steps,
+            **{f"comm/{k}": v for k, v in comm_stats.items()}, **self.optimizer_metrics()})
+        bar.set_postfix(epoch=self.epoch, loss=f"{value:.3f}", lr=f"{lr:.3g}")
+
+    def log_epoch(self, record: dict[str, float], epoch_start: float) -> None:
+        """The epoch record, with times and the task's counters; evaluations also go into the history."""
+        self.elapsed_s = time.perf_counter() - self._clock
+        record.update({"time/epoch_s": time.perf_counter() - epoch_start, "time/elapsed_s": self.elapsed_s,
+                       "time/checkpoint_s": self.checkpoint_s, "train/skipped_steps": self.skipped_steps})
+        record.update(self.task.stats())  # e.g. cache hits/misses per level, skipped images (this rank)
+        if any(k.startswith("eval/") for k in record):
+            self.history.append({k: v for k, v in record.items()
+                                 if k in ("epoch", "time/elapsed_s") or k.startswith("eval/")})
+        self.metrics.log("epoch", self.step, record)
 
     def optimizer_metrics(self) -> dict[str, float]:
         """The optimizer's own per-step scalars (e.g. FusedLARS's clipped trust ratios), read on log steps."""
         read = getattr(self.optimizer, "step_metrics", None)
         return {name: float(value) for name, value in read().items()} if read is not None else {}
+
+    def progress_bar(self) -> tqdm:
+        """Steps over the whole run on rank 0 (log.progress), starting where a resumed run left off."""
+        steps = [self.steps_per_epoch(self.schedule.phase(e)) for e in range(self.train_cfg.epochs)]
+        done = sum(steps[:self.epoch]) + self.step_in_epoch
+        return tqdm(total=sum(steps), initial=min(sum(steps), done), unit="step", dynamic_ncols=True,
+                    disable=not (self.topo.is_main and self.log_cfg.progress))
 
     def print_plan(self, resumed_from: str | None) -> None:
         """Derived sizes, printed once on rank 0."""
@@ -449,18 +505,21 @@ class Trainer:
         for p in self.phases:
             print(f"  epochs {p.start_epoch:>3}-{p.end_epoch - 1:<3} {self.task.describe(p)}  "
                   f"{self.steps_per_epoch(p)} steps/epoch")
+        print("  " + self.schedule.describe(lambda e: self.steps_per_epoch(self.schedule.phase(e))))
         if resumed_from:
             print(f"resumed from {resumed_from} at epoch {self.epoch}, step {self.step}")
 
-    def finish_summary(self) -> dict[str, Any]:
-        """The run's summary: `final` is the last evaluation, `final_<name>`/`target_<name>` per task target."""
+    def finish_summary(self, untrained: dict[str, float], trained: dict[str, float]) -> dict[str, Any]:
+        """The run's summary: `final` is the last evaluation, `final_<name>`/`target_<name>` per task target,
+        `test_<name>` and `test_<name>_untrained` per held-out test score (None where not scored)."""
         final = self.history[-1] if self.history else {}
         summary = {"epochs_run": self.epoch, "steps": self.step, "elapsed_s": self.elapsed_s,
                    "time_to_target_s": self.time_to_target_s,
                    **{f"target_{name}": value for name, value in self.task.targets.items()},
                    **{f"final_{name}": final.get(f"eval/{name}") for name in self.task.targets},
                    "final": final, "skipped_steps": self.skipped_steps, "checkpoint_s": self.checkpoint_s,
-                   "world_size": self.topo.world_size,
-                   "history": self.history}
+                   "world_size": self.topo.world_size, "history": self.history,
+                   **{f"test_{name}_untrained": untrained.get(name) for name in trained},
+                   **{f"test_{name}": value for name, value in trained.items()}}
         self.metrics.summary(summary)
         return summary

@@ -1,4 +1,5 @@
-"""Metrics: one logger, several writers (TensorBoard, JSONL, DAWNBench TSV/JSON) behind one interface.
+"""Metrics: one logger, several writers behind one interface (`Writer`): JSONL and TensorBoard for every run,
+plus the writers a task adds (the DAWNBench TSV of image classification, trainer/classification.py).
 
 Only rank 0 writes; other ranks get the null logger. Tags are grouped by prefix (`loss/`, `eval/`,
 `time/`, `comm/`, `schedule/`, `memory/`), and every epoch record carries the wall-clock seconds since the
@@ -12,7 +13,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trainer.config import require
 
@@ -78,26 +79,6 @@ class TensorBoardWriter(Writer):
         self.tb.close()
 
 
-class DawnbenchWriter(Writer):
-    """The DAWNBench TSV (`epoch hours top1Accuracy top5Accuracy`, accuracies in percent), one row per eval."""
-
-    HEADER = "epoch\thours\ttop1Accuracy\ttop5Accuracy\n"
-
-    def __init__(self, path: Path) -> None:
-        fresh = not path.exists()
-        self.file = open(path, "a", buffering=1)
-        if fresh:
-            self.file.write(self.HEADER)
-
-    def write(self, kind: str, step: int, record: dict[str, float]) -> None:
-        if kind == "epoch" and "eval/top1" in record:
-            self.file.write(f"{int(record['epoch']) + 1}\t{record['time/elapsed_s'] / 3600:.6f}\t"
-                            f"{100 * record['eval/top1']:.4f}\t{100 * record['eval/top5']:.4f}\n")
-
-    def close(self) -> None:
-        self.file.close()
-
-
 class MetricsLogger:
     """Fans records out to the writers; `summary()` writes the run's JSON summary at the end."""
 
@@ -137,8 +118,15 @@ def archive_previous_run(run_dir: Path) -> Path | None:
     return dest
 
 
-def build_metrics(cfg: LogConfig, is_main: bool, fresh: bool = True) -> MetricsLogger:
-    """Rank 0 writes JSONL, DAWNBench TSV and (optionally) TensorBoard into log.dir; others write nothing.
+def no_writers(run_dir: Path) -> list[Writer]:
+    """No writers beyond the JSONL and TensorBoard ones."""
+    return []
+
+
+def build_metrics(cfg: LogConfig, is_main: bool, fresh: bool = True,
+                  extra: Callable[[Path], list[Writer]] = no_writers) -> MetricsLogger:
+    """Rank 0 writes JSONL, (optionally) TensorBoard and the `extra` writers (made for log.dir, e.g. a
+    task's `writers`) into log.dir; others write nothing.
 
     A `fresh` run (not a resume) first archives what an earlier run left in log.dir; a resume appends.
     """
@@ -148,7 +136,7 @@ def build_metrics(cfg: LogConfig, is_main: bool, fresh: bool = True) -> MetricsL
     run_dir.mkdir(parents=True, exist_ok=True)
     if fresh and (moved := archive_previous_run(run_dir)):
         print(f"log.dir {run_dir} held an earlier run: moved it to {moved}")
-    writers: list[Writer] = [JsonlWriter(run_dir / "metrics.jsonl"), DawnbenchWriter(run_dir / "dawnbench.tsv")]
+    writers: list[Writer] = [JsonlWriter(run_dir / "metrics.jsonl"), *extra(run_dir)]
     if cfg.tensorboard:
         writers.append(TensorBoardWriter(run_dir / "tensorboard"))
     return MetricsLogger(writers, run_dir)

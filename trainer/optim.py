@@ -110,11 +110,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     return OPTIMIZERS[cfg.name](param_groups(model, cfg), cfg)
 
 
-def set_lr_momentum(optimizer: torch.optim.Optimizer, lr: float, momentum: float) -> None:
-    """Apply the scheduled rate (and momentum, or Adam's beta1) to every group."""
+def set_lr_momentum(optimizer: torch.optim.Optimizer, lr: float, momentum: float | None) -> None:
+    """Apply the scheduled rate, and momentum to the groups that have one (None leaves momentum alone)."""
     for g in optimizer.param_groups:
         g["lr"] = lr
-        if "momentum" in g:
+        if momentum is not None and "momentum" in g:
             g["momentum"] = momentum
 
 

@@ -1,14 +1,17 @@
 """Schedules: pure functions of the (fractional) epoch — learning rate, momentum, and the phase table.
 
 The trainer calls them once per iteration with `epoch + step / steps_in_epoch`, so per-epoch rates are
-interpolated per iteration even when phases change the number of steps per epoch.
+interpolated per iteration even when phases change the number of steps per epoch. `Schedule` binds them to
+one run: its phases, its length, and the peak lr and base momentum of the optimizer it drives.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
+
+import torch
 
 from trainer.config import require
 
@@ -126,3 +129,50 @@ def get_momentum(lr: float, peak_lr: float, cfg: ScheduleConfig, base_momentum: 
     if not cfg.momentum_min or peak_lr <= 0:
         return base_momentum
     return base_momentum - (base_momentum - cfg.momentum_min) * min(1.0, lr / peak_lr)
+
+
+@dataclass
+class Schedule:
+    """The schedules of one run: the phase table, and lr and momentum at any fractional epoch."""
+
+    cfg: ScheduleConfig
+    peak_lr: float
+    """The rate warm-up rises to and decay starts from."""
+    base_momentum: float | None
+    """The upper end of the cyclic momentum; None for an optimizer without momentum (Adam)."""
+    total_epochs: float
+    """The run's length (train.epochs); schedule.total_epochs, when set, overrides it for the lr."""
+    phases: list[Phase]
+    """Contiguous from epoch 0 to the end of the run."""
+
+    def phase(self, epoch: int) -> Phase:
+        return get_phase(self.phases, epoch)
+
+    def lr(self, epoch: float, phase: Phase) -> float:
+        """The rate at fractional `epoch`, scaled by its phase's lr_scale."""
+        return get_lr(epoch, self.cfg, self.peak_lr, self.total_epochs) * phase.lr_scale
+
+    def momentum(self, lr: float) -> float | None:
+        """The momentum that goes with `lr` (constant unless schedule.momentum_min is set); None without one."""
+        return None if self.base_momentum is None else get_momentum(lr, self.peak_lr, self.cfg, self.base_momentum)
+
+    def warmup_steps(self, steps_in_epoch: Callable[[int], int]) -> float:
+        """Optimizer steps the warm-up lasts, given the steps of each epoch (phases may differ)."""
+        warmup = self.cfg.warmup_epochs
+        return sum(min(1.0, warmup - e) * steps_in_epoch(e) for e in range(math.ceil(warmup)))
+
+    def describe(self, steps_in_epoch: Callable[[int], int]) -> str:
+        """One line for the run plan: warm-up length in epochs and updates, peak, decay."""
+        warmup = (f"warm-up {self.cfg.warmup_epochs:g} epochs = {self.warmup_steps(steps_in_epoch):.0f} updates "
+                  f"to " if self.cfg.warmup_epochs else "")
+        return f"lr: {warmup}peak {self.peak_lr:g}, then {self.cfg.decay} decay"
+
+
+def build_schedule(cfg: ScheduleConfig, optimizer: torch.optim.Optimizer, epochs: int) -> Schedule:
+    """The run's schedule over `epochs`; no phase table means one phase spanning the run (e.g. translation).
+
+    The peak lr and base momentum are the optimizer's own, as `trainer.optim.build_optimizer` set them from
+    optim.lr and optim.momentum: the optim section is read in one place.
+    """
+    return Schedule(cfg, optimizer.defaults["lr"], optimizer.defaults.get("momentum"), float(epochs),
+                    cfg.phases or [Phase(start_epoch=0, end_epoch=epochs)])

@@ -3,16 +3,21 @@
 `Trainer` (trainer/loop.py) owns everything every recipe shares: the schedule, the communicator, the
 optimizer step with loss scaling, checkpoints and resume, time-to-target, metrics and the progress bar.
 A `Task` owns what differs: how a batch becomes a loss, how many steps an epoch has, how the model is
-evaluated and when the target is reached. Tasks live beside their recipe's components in trainer/
-(`trainer/classification.py`, `trainer/translation.py`); recipes build one and hand it to the Trainer.
+evaluated, when the target is reached and how the result reads. Tasks live in trainer/
+(`trainer/classification.py`, `trainer/translation.py`); a recipe builds one and `trainer.run` hands it
+to the Trainer. A task that subclasses `Task` inherits the optional parts (no test split, no writers of
+its own, no counters, no state).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterator, Protocol
 
 import torch
+from torch import nn
 
+from trainer.metrics import Writer
 from trainer.schedules import Phase
 
 
@@ -22,6 +27,8 @@ class Task(Protocol):
     targets: dict[str, float]
     """The configured targets by eval metric name, e.g. {"top1": 0.97, "top5": 0.0} or {"bleu": 25.0} (0 = not
     set); the run summary reports each as `target_<name>` and the last evaluation's value as `final_<name>`."""
+    model: nn.Module
+    """The network the task trains (the Trainer's model)."""
 
     def steps_per_epoch(self, phase: Phase) -> int:
         """Optimizer steps in one epoch of `phase` on every rank (equal on all ranks)."""
@@ -50,13 +57,26 @@ class Task(Protocol):
         """One line for the run plan printed at start, e.g. "24 px  global batch 64 (32/rank)"."""
         ...
 
+    def report(self, summary: dict[str, Any]) -> list[str]:
+        """Lines for the printed result: the final evaluation (and test scores) in the task's own terms."""
+        ...
+
+    def test(self) -> dict[str, float]:
+        """Collective: scores on the held-out test split by name, e.g. {"bleu": 27.1}; {} without one. The
+        Trainer scores a fresh run before training and every run after it, outside the clock."""
+        return {}
+
+    def writers(self, run_dir: Path) -> list[Writer]:
+        """Metric writers of this task's own (e.g. the DAWNBench TSV) in `run_dir`, on rank 0; [] when none."""
+        return []
+
     def stats(self) -> dict[str, float]:
         """Data-side counters for the epoch record (cache hits, skipped items); {} when none."""
-        ...
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """Task state to checkpoint beyond the model (e.g. a data sampler's position); {} when none."""
-        ...
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        ...
+        """Restore what `state_dict` returned."""

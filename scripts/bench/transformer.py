@@ -17,6 +17,7 @@ ratio (JSON) = the quickstart's comm.kind / baseline.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -30,15 +31,16 @@ from torch.nn.parallel import DistributedDataParallel
 from data import synthetic_translation as synth
 from data.translation import TranslationData
 from recipes.transformer import Config
+from recipes.transformer_model import build_transformer
 from scripts.bench.common import bench_parser, emit_result, parse_args, print_table
 from trainer.comm import build_communicator
 from trainer.config import load_config
 from trainer.dist import DistConfig, setup_distributed
-from trainer.loop import Trainer
-from trainer.metrics import LogConfig, MetricsLogger
+from trainer.loop import Components, Trainer
+from trainer.metrics import LogConfig
 from trainer.optim import build_optimizer
 from trainer.testing import run_ranks
-from trainer.translation import TranslationTask, build_transformer, translation_loss
+from trainer.translation import TranslationTask, translation_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "transformer_quickstart_cpu.yaml"
@@ -70,8 +72,8 @@ def build_contenders(cfg: Config, data: TranslationData, topo: Any, log_dir: str
         model = fresh_model()
         optimizer = build_optimizer(model, cfg.optim)
         task = TranslationTask(model, data, topo, cfg.train, cfg.model.label_smoothing)
-        trainer = Trainer(cfg.train, cfg.schedule, cfg.optim, LogConfig(dir=log_dir, tensorboard=False), topo,
-                          model, task, optimizer, build_communicator(cfg.comm, model, topo), MetricsLogger([]), {})
+        run_cfg = dataclasses.replace(cfg, log=LogConfig(dir=log_dir, tensorboard=False))
+        trainer = Trainer(run_cfg, topo, task, Components(model, optimizer, build_communicator(cfg.comm, model, topo)))
         contenders[f"recipe {kind}"] = lambda batch, trainer=trainer: trainer.train_step(batch)[1]
     return contenders
 

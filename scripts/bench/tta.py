@@ -245,7 +245,7 @@ def baseline_cmd(args: Sequence[str], run_dir: Path, seed: int, target: float, s
 def recipe_precision() -> tuple[str, list[str]]:
     """The recipe's bf16 autocast where this CPU computes bf16 natively; fp32 elsewhere, where bf16 is emulated
     and a ResNet-18 step runs ~20x slower (AVX2-only EPYC, measured). The baseline trains in fp32 either way."""
-    from trainer.loop import cpu_has_native_bf16
+    from trainer.precision import cpu_has_native_bf16
 
     if cpu_has_native_bf16():
         return "bf16 autocast (this CPU has AVX512-BF16 or AMX)", []
