@@ -4,22 +4,19 @@ Four ranks as 2 nodes x 2 ranks (Horovod process sets for the node groups), chec
 single-process reference as the torch.distributed tests.
 """
 
-import sys
-from pathlib import Path
+import os
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from tests.test_comm import _matches_reference  # noqa: E402
-from trainer.dist import teardown_distributed  # noqa: E402
+from tests.test_comm import _matches_reference
+from trainer.dist import teardown_distributed
 
 
 def main() -> None:
     import horovod.torch as hvd
     torch.set_num_threads(1)
-    rank = int(__import__("os").environ["HOROVOD_RANK"])
-    world = int(__import__("os").environ["HOROVOD_SIZE"])
+    rank = int(os.environ["HOROVOD_RANK"])
+    world = int(os.environ["HOROVOD_SIZE"])
     for kind in ("dense", "topk", "hitopk"):
         _matches_reference(rank, world, kind, 2, 1.0, 0, True, 2, backend="horovod")
         if kind != "dense":

@@ -9,6 +9,8 @@ from trainer.config import require
 
 CommKind = Literal["dense", "topk", "hitopk"]
 """The values of `comm.kind`."""
+Compression = Literal["none", "fp16", "bf16"]
+"""The values of `comm.compression`."""
 
 
 @dataclass
@@ -18,7 +20,7 @@ class CommConfig:
     allgathered; hitopk = the paper's hierarchical top-k (dense inside a node, sparse between nodes)."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MB of fp32 gradients; each bucket is launched as soon as it is ready."""
-    compression: Literal["none", "fp16", "bf16"] = "none"
+    compression: Compression = "none"
     """Wire dtype of the dense allreduce (kind dense only; the average is accumulated back in fp32)."""
     density: float = 0.01
     """topk/hitopk: fraction of each bucket (of each rank's 1/L shard for hitopk) sent per step."""

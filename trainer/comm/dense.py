@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from trainer.comm.base import Bucket, BucketedCommunicator
+from trainer.comm.config import Compression
 from trainer.dist import Topology
 
-WIRE_DTYPES: dict[str, torch.dtype | None] = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+WIRE_DTYPES: dict[Compression, torch.dtype | None] = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 """`comm.compression` -> the dtype gradients travel in (None: their own)."""
 
 
@@ -25,7 +26,7 @@ def ring_allreduce_bytes(topo: Topology, nbytes: float) -> tuple[float, float]:
 class DenseAllreduce(BucketedCommunicator):
     """One async allreduce per bucket, in `compression`'s wire dtype; the average comes back in the gradients'."""
 
-    def __init__(self, model: nn.Module, topo: Topology, bucket_mb: float, compression: str = "none") -> None:
+    def __init__(self, model: nn.Module, topo: Topology, bucket_mb: float, compression: Compression = "none") -> None:
         super().__init__(model, topo, bucket_mb)
         self.wire_dtype = WIRE_DTYPES[compression]
 
