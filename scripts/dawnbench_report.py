@@ -12,8 +12,8 @@ https://github.com/stanford-futuredata/dawn-bench-entries (README.md, "ImageNet 
                                                       per evaluated epoch of the run
   report.md                                           the run beside published ImageNet entries
 
-Everything about the run is read from its files (summary.json, config.yaml, dawnbench.tsv); the published
-figures are the cited constants below. `--hardware auto` describes the machine the script runs on: use it
+Everything about the run is read from its files (summary.json through trainer.dawnbench.read_summary,
+config.yaml, dawnbench.tsv); the published figures are the cited constants of trainer.dawnbench.PUBLISHED. `--hardware auto` describes the machine the script runs on: use it
 only where the run itself ran (`make quickstart` does).
 """
 
@@ -38,45 +38,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repo importable
 
 from trainer.classification import DawnbenchWriter  # noqa: E402  (the TSV format is defined once, there)
+from trainer.dawnbench import PUBLISHED, PUBLISHED_TARGET, RunSummary, SummaryError, read_summary  # noqa: E402
 
 DAWNBENCH_VERSION = "v1.0"  # the only version the entries repository defines
-LEADERBOARD = "https://dawn.cs.stanford.edu/benchmark/"
-ENTRIES = "https://github.com/stanford-futuredata/dawn-bench-entries/blob/master/ImageNet/train/"
-
-
-# ------------------------------------------------------------ published ImageNet entries (cited constants)
-
-@dataclass(frozen=True)
-class PublishedEntry:
-    """A published ResNet-50 ImageNet result: time to 93% top-5 validation accuracy, as its sources state it."""
-
-    name: str
-    hardware: str
-    time_s: int
-    """Time to 93% top-5, seconds (the published h:mm:ss)."""
-    cost_usd: float | None
-    """Published training cost; None where the sources give none."""
-    sources: tuple[str, ...]
-
-
-ALIBABA_128_V100 = PublishedEntry(
-    "Alibaba Cloud AIACC, ResNet50-v1.5 (DAWNBench #1 time, Mar 2020)",
-    "16 × ecs.gn6e-c12g1.24xlarge = 128 V100-32G, 32 Gbps VPC", 2 * 60 + 38, None,
-    (LEADERBOARD, ENTRIES + "alibabacloud_resnet50_gn6e_16_machine_tensorflow.json"))
-SHI_ET_AL_128_V100 = PublishedEntry(
-    "Shi et al., MLSys 2021 (the system this repository implements)",
-    "16 Tencent Cloud nodes × 8 = 128 V100, 25 Gbit/s Ethernet", 2 * 60 + 31, None,
-    ("https://arxiv.org/abs/2010.10458",))
-FASTAI_IMAGENET18 = PublishedEntry(
-    "fast.ai/DIUx imagenet18, ResNet-50 (Sep 2018)",
-    "16 × AWS p3.16xlarge = 128 V100", 18 * 60 + 6, None,
-    (LEADERBOARD, ENTRIES + "fastai_resnet50_p3_16_machine_pytorch.json", "https://github.com/diux-dev/imagenet18"))
-ALIBABA_1_NODE = PublishedEntry(
-    "Alibaba Cloud AIACC, ResNet50-v1.5, single node (DAWNBench #1 cost, Mar 2020)",
-    "1 × ecs.gn6e-c12g1.24xlarge = 8 V100-32G", 21 * 60 + 37, 7.43,
-    (LEADERBOARD, ENTRIES + "alibabacloud_resnet50_gn6e_1_machine_tensorflow.json"))
-PUBLISHED = (ALIBABA_128_V100, SHI_ET_AL_128_V100, FASTAI_IMAGENET18, ALIBABA_1_NODE)
-PUBLISHED_TARGET = "93% top-5, ImageNet"
 
 
 class ReportError(ValueError):
@@ -90,10 +54,13 @@ class Run:
     """What a finished run folder says about itself (accuracies as fractions, times in seconds)."""
 
     dir: Path
-    summary: dict[str, Any]
+    summary: RunSummary
     config: dict[str, Any]
-    history: list[dict[str, float]]
-    """One record per evaluated epoch of the final run: epoch, eval/top1, eval/top5, time/elapsed_s."""
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """One record per evaluated epoch of the final run: epoch, eval/top1, eval/top5, time/elapsed_s."""
+        return self.summary.history
 
     @property
     def world_size(self) -> int:
@@ -101,18 +68,15 @@ class Run:
 
     @property
     def has_target(self) -> bool:
-        return bool(self.summary["target_top1"] or self.summary["target_top5"])
+        return bool(self.summary.targets)
 
     @property
     def time_to_target_s(self) -> float | None:
-        return self.summary["time_to_target_s"]
+        return self.summary.time_to_target_s
 
     @property
     def epochs_to_target(self) -> int | None:
-        """The (1-based) epoch whose evaluation first met the target; the trainer stamps the time just before."""
-        if self.time_to_target_s is None:
-            return None
-        return next((int(h["epoch"]) + 1 for h in self.history if h["time/elapsed_s"] >= self.time_to_target_s), None)
+        return self.summary.epochs_to_target
 
     def target_text(self) -> str:
         parts = [f"{100 * self.summary[f'target_{k}']:g}% {k.replace('top', 'top-')}"
@@ -121,18 +85,8 @@ class Run:
         return f"{' and '.join(parts) or 'none set'}, {dataset} (held-out split)"
 
 
-SUMMARY_KEYS = ("epochs_run", "steps", "elapsed_s", "time_to_target_s", "target_top1", "target_top5",
-                "final_top1", "final_top5", "world_size", "history")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ReportError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ReportError(f"{path}: expected a JSON object, got {type(doc).__name__}")
-    return doc
+REPORT_KEYS = ("steps", "target_top1", "target_top5", "final_top1", "final_top5")
+"""What the report reads from summary.json beyond trainer.dawnbench.SUMMARY_KEYS (a classification run's)."""
 
 
 def read_run(run_dir: Path) -> Run:
@@ -144,18 +98,17 @@ def read_run(run_dir: Path) -> Run:
         if not (run_dir / name).is_file():
             raise ReportError(f"{run_dir / name}: not found (the run did not finish, or {run_dir} is not a run "
                               f"folder written by a recipe)")
-    summary = _read_json(run_dir / "summary.json")
-    missing = [k for k in SUMMARY_KEYS if k not in summary]
-    if missing:
-        raise ReportError(f"{run_dir / 'summary.json'}: missing {', '.join(missing)} (not written by trainer/loop.py)")
+    try:
+        summary = read_summary(run_dir, REPORT_KEYS)
+    except SummaryError as e:
+        raise ReportError(str(e)) from None
     try:
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     except yaml.YAMLError as e:
         raise ReportError(f"{run_dir / 'config.yaml'}: not valid YAML ({' '.join(str(e).split())})") from None
-    history = summary["history"]
-    if not history:
+    if not summary.history:
         raise ReportError(f"{run_dir / 'summary.json'}: no evaluated epochs in its history; nothing to report")
-    return Run(run_dir, summary, config, history)
+    return Run(run_dir, summary, config)
 
 
 def read_dawnbench_tsv(path: Path) -> list[list[str]]:
@@ -297,7 +250,7 @@ def render_report(run: Run, entry: dict[str, Any], rows: list[list[str]], files:
         cost_cell = f"${cost:.2f}" if entry["costPerHour"] else "$0.00 (no --cost-per-hour given)"
         status = f"target reached in {tta:.1f} s at epoch {run.epochs_to_target}"
     else:
-        best = max(100 * h["eval/top1"] for h in run.history)
+        best = 100 * run.summary.best("top1")
         label = "target not reached" if run.has_target else "no target set"
         time_cell = f"{label} (best top-1 {best:.2f}% in {hms(s['elapsed_s'])})"
         cost_cell = f"— ({label})"

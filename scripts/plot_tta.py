@@ -18,6 +18,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
+from trainer.dawnbench import read_summary  # noqa: E402
+
 
 def read_curve(run_dir: Path, metric: str) -> tuple[list[float], list[float]]:
     """(elapsed seconds, accuracy) of every evaluated epoch; a resumed run's repeated epochs keep the last."""
@@ -34,14 +36,16 @@ def read_curve(run_dir: Path, metric: str) -> tuple[list[float], list[float]]:
 
 
 def configured_target(run_dir: Path, metric: str) -> float | None:
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        return json.loads(summary.read_text()).get(f"target_{metric}") or None
-    return None
+    """The run's target for `metric` (trainer.dawnbench.read_summary), None when unset or without summary.json."""
+    if not (run_dir / "summary.json").is_file():
+        return None
+    return read_summary(run_dir).targets.get(metric)
 
 
 def first_reach(seconds: list[float], acc: list[float], target: float | None) -> float | None:
-    """Seconds at the first evaluation at or above `target` (None: never, or no target)."""
+    """Seconds at the first evaluation of this curve at or above `target` (None: never, or no target): where the
+    curve crosses the drawn line, for any --target and one metric (a run's own time to target is its
+    summary.json's, trainer.dawnbench.RunSummary.time_to_target_s)."""
     if not target:
         return None
     return next((s for s, a in zip(seconds, acc) if a >= target), None)

@@ -144,17 +144,17 @@ class Run:
 
 
 def read_run(side: str, seed: int, run_dir: Path, process_s: float) -> Run:
-    """A Run from `run_dir/summary.json` (written alike by the recipe's trainer and by tta_baseline.py)."""
+    """A Run from `run_dir/summary.json` (written alike by the recipe's trainer and by tta_baseline.py), read by
+    trainer.dawnbench.read_summary."""
+    from trainer.dawnbench import read_summary
+
     path = run_dir / "summary.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; the {side} run failed (its log is {run_dir / 'train.log'})")
-    s = json.loads(path.read_text())
-    tta, target = s["time_to_target_s"], s["target_top1"]
-    hits = [h["epoch"] for h in s["history"] if h["eval/top1"] >= target]
-    return Run(side=side, seed=seed, reached=tta is not None, time_to_target_s=tta,
-               epochs_to_target=hits[0] + 1 if tta is not None and hits else None, final_top1=s["final_top1"],
-               best_top1=max(h["eval/top1"] for h in s["history"]), epochs_run=s["epochs_run"],
-               process_s=process_s, run_dir=str(run_dir))
+    s = read_summary(run_dir, ("final_top1",))
+    return Run(side=side, seed=seed, reached=s.reached, time_to_target_s=s.time_to_target_s,
+               epochs_to_target=s.epochs_to_target, final_top1=s["final_top1"], best_top1=s.best("top1"),
+               epochs_run=s["epochs_run"], process_s=process_s, run_dir=str(run_dir))
 
 
 def compare(runs: Sequence[Run]) -> dict[str, Any]:
