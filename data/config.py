@@ -29,6 +29,14 @@ class DataConfig:
     """Random horizontal flips in training (turn off for data whose classes are not mirror-symmetric)."""
     val_resize_ratio: float = 1.14
     """Validation: resize the shorter side to ratio x crop size, then center-crop."""
+    rect_val_from_size: int = 0
+    """Rectangular validation at phases whose validation image size is at least this (px): images sorted by
+    aspect ratio, each batch center-cropped to its own rectangle, the crop size on the shorter side
+    (data/rect_val.py); 0 = never (square center crops)."""
+    val_exclude: str = ""
+    """Text file of validation images to leave out, one per line: file names (ILSVRC2012_val_00000001.JPEG)
+    or ImageNet validation image numbers (the ILSVRC2014 devkit's blacklist); a relative path lies inside
+    data.root; empty = validate on every image."""
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     """Per-channel mean subtracted after scaling pixels to [0, 1]."""
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
@@ -54,6 +62,8 @@ class DataConfig:
             raise DataConfigError(f"data.min_scale: must be in (0, 1], got {self.min_scale}")
         if self.val_resize_ratio < 1:
             raise DataConfigError(f"data.val_resize_ratio: must be >= 1, got {self.val_resize_ratio}")
+        if self.rect_val_from_size < 0:
+            raise DataConfigError(f"data.rect_val_from_size: must be >= 0 (0 = never), got {self.rect_val_from_size}")
         if any(s <= 0 for s in self.std):
             raise DataConfigError(f"data.std: every value must be > 0, got {self.std}")
         if self.cache.dir and "://" in self.root and not self.cache.dir.startswith("/"):

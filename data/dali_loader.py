@@ -1,7 +1,7 @@
 """The DALI backend: per-rank loaders over the cached splits, one pipeline per phase.
 
 Python decides what each batch holds (sampling.py: the epoch's permutation, this rank's shard, crops and
-flips) and hands DALI the bytes (or L3 pixels) through fn.external_source; DALI decodes, crops, resizes
+flips; rect_val.py: validation's batches and crop windows) and hands DALI the bytes (or L3 pixels) through fn.external_source; DALI decodes, crops, resizes
 and normalizes on its threads (or the GPU). A phase change builds a new pipeline for the new image and
 batch size; the cache, the listings and the screening verdicts live on in the data object.
 
@@ -32,7 +32,8 @@ from data.config import DataConfig
 from data.dali_pipelines import PipelineSpec, build_pipeline, dali_decodes
 from data.layout import check_dataset, list_split
 from data.reader import SampleReader
-from data.sampling import augment_rng, random_resized_crops, shorter_side_sizes, train_batches, val_batches
+from data.rect_val import center_anchors, cover_sizes, header_sizes, plan_val, uses_rect, validation_subset
+from data.sampling import augment_rng, random_resized_crops, train_batches
 
 log = logging.getLogger(__name__)
 
@@ -183,14 +184,14 @@ class TrainSource(BatchSource):
 
 
 class ValSource(BatchSource):
-    """This rank's validation images in order (bad files left out), with the resize and center-crop window
-    torchvision's Resize + CenterCrop would use on each."""
+    """This rank's validation batches (bad files left out) with each batch's crop, (height, width) in `crops`,
+    and the resize and center-crop window the torchvision backend uses on each image (data/rect_val.py)."""
 
-    def __init__(self, reader: SampleReader, fetch: str, world: int, rank: int, batch: int, short_side: int,
-                 crop: int, prefetch: int = PREFETCH_BATCHES) -> None:
+    def __init__(self, reader: SampleReader, fetch: str, batches: list[np.ndarray], crops: list[tuple[int, int]],
+                 short_side: int, prefetch: int = PREFETCH_BATCHES) -> None:
         super().__init__(reader, fetch, prefetch)
-        self.short_side, self.crop = short_side, crop
-        self.batches = val_batches(len(reader.split), world, rank, batch)
+        self.short_side, self.crops = short_side, crops
+        self.batches = batches
 
     def set_epoch(self, epoch: int) -> None:
         self.stop_prefetch()
@@ -202,11 +203,12 @@ class ValSource(BatchSource):
                                                                                           self.fetch)]
         self.served[step] = [i for i, _ in picked]
         data = [d for _, d in picked]
-        new_h, new_w = shorter_side_sizes(*self.pixel_sizes(step, data), self.short_side)
-        # torchvision's CenterCrop: int(round((resized - crop) / 2)), Python's round-half-to-even
-        top, left = np.round((new_h - self.crop) / 2), np.round((new_w - self.crop) / 2)
+        crop_h, crop_w = self.crops[step]
+        new_h, new_w = cover_sizes(*self.pixel_sizes(step, data), self.short_side, crop_h, crop_w)
+        top, left = center_anchors(new_h, new_w, crop_h, crop_w)
         return (data, self.reader.split.labels[self.served[step]], new_w.astype(np.float32),
-                new_h.astype(np.float32), np.stack([left, top], 1).astype(np.int32))
+                new_h.astype(np.float32), np.stack([left, top], 1).astype(np.int32),
+                np.tile(np.array([crop_w, crop_h], dtype=np.int32), (len(data), 1)))
 
 
 class DaliDecodeError(RuntimeError):
@@ -315,10 +317,11 @@ class DaliImageData:
         self.float16 = cfg.dtype == "float16" or (cfg.dtype == "auto" and gpu)
         short_side = lowres_short_side(cfg.cache, cfg.val_resize_ratio)
         train = list_split(cfg.root, "train")
-        folder = cache_folder(cfg.cache, cfg.root)
-        self.readers = {split.name: SampleReader(split, open_split_cache(cfg.cache, split, folder, short_side),
+        self.cache_dir = cache_folder(cfg.cache, cfg.root)
+        self.readers = {split.name: SampleReader(split, open_split_cache(cfg.cache, split, self.cache_dir, short_side),
                                                  short_side, cfg.cache.lowres_max_aspect)
                         for split in (train, list_split(cfg.root, "val", classes=train.classes))}
+        self.val_kept = validation_subset(cfg, self.readers["val"].split.files, rank)
         self._val_loaders: dict[tuple[int, int], DaliEpochLoader] = {}
 
     @property
@@ -345,12 +348,18 @@ class DaliImageData:
         return DaliEpochLoader(self.spec(True, fetch, image_size, batch_size), source, self.device)
 
     def val_loader(self, image_size: int, batch_size: int) -> DaliEpochLoader:
-        """This rank's share of the validation set, resized and center-cropped, each image exactly once overall."""
+        """This rank's share of the validation set (less data.val_exclude), resized and center-cropped to
+        `image_size` squares or, from data.rect_val_from_size on, to each batch's rectangle; each image exactly
+        once overall."""
         key = (image_size, batch_size)
         if key not in self._val_loaders:
             fetch = self.fetch_for("val", image_size)
-            source = ValSource(self.readers["val"], fetch, self.world_size, self.rank, batch_size,
-                               round(image_size * self.cfg.val_resize_ratio), image_size, self.prefetch_batches)
+            split = self.readers["val"].split
+            sizes = (header_sizes(split, self.cache_dir, self.cfg.workers, progress=self.rank == 0)
+                     if uses_rect(self.cfg, image_size) else None)
+            batches, crops = plan_val(self.val_kept, self.world_size, self.rank, batch_size, image_size, sizes)
+            source = ValSource(self.readers["val"], fetch, batches, crops,
+                               round(image_size * self.cfg.val_resize_ratio), self.prefetch_batches)
             self._sources.add(source)
             self._val_loaders[key] = DaliEpochLoader(self.spec(False, fetch, image_size, batch_size), source,
                                                      self.device)

@@ -1,8 +1,9 @@
 """The DALI graphs: training (decode the crop → resize → flip → normalize) and validation (decode → resize
-the shorter side → center crop → normalize), fed by fn.external_source from the cache.
+→ center crop → normalize), fed by fn.external_source from the cache.
 
 The crop window and the flip are inputs (drawn in data/sampling.py), not DALI random operators, so
-augmentation is reproducible per (seed, epoch, rank, step) and one pipeline serves a whole phase. With a
+augmentation is reproducible per (seed, epoch, rank, step) and one pipeline serves a whole phase. So are
+validation's resize and crop sizes, per sample: a square, or each batch's own rectangle (data/rect_val.py). With a
 device id, JPEGs are decoded on the GPU (`mixed`) and batches come out as fp16 CUDA tensors; with none,
 everything runs in DALI's CPU-only mode. Pre-decoded L3 pixels skip the decoder and are only cropped.
 """
@@ -24,6 +25,7 @@ class PipelineSpec:
     encoded: bool
     """True: the inputs are encoded files (decoded here); False: HWC uint8 pixels from L3."""
     image_size: int
+    """Training: the output's side; validation: the crop's shorter side (the source gives each sample's crop)."""
     batch_size: int
     threads: int
     device_id: int | None
@@ -54,18 +56,19 @@ def build_pipeline(spec: PipelineSpec, source: Callable) -> Pipeline:
             images = fn.resize(images, resize_x=spec.image_size, resize_y=spec.image_size,
                                interp_type=types.INTERP_LINEAR, antialias=True)
         else:
-            data, labels, width, height, anchor = fn.external_source(source=source, num_outputs=5, batch=True,
-                                                                     batch_info=True)
+            data, labels, width, height, anchor, shape = fn.external_source(source=source, num_outputs=6,
+                                                                            batch=True, batch_info=True)
             if spec.encoded:
                 # EXIF orientation is ignored, as PIL (the torchvision backend) and the screening do
                 images = fn.decoders.image(data, device="mixed" if gpu else "cpu", output_type=types.RGB,
                                            adjust_orientation=False)
             else:
                 images = data.gpu() if gpu else data
-            # sizes and crop window from Python, with torchvision's rounding: both backends see the same pixels
+            # sizes and crop window (x, y; width, height) from Python, with torchvision's rounding: both
+            # backends see the same pixels
             images = fn.resize(images, resize_x=width, resize_y=height, interp_type=types.INTERP_LINEAR,
                                antialias=True)
-            images = fn.slice(images, start=anchor, shape=[spec.image_size, spec.image_size], axis_names="WH")
+            images = fn.slice(images, start=anchor, shape=shape, axis_names="WH")
             mirror = 0
         images = fn.crop_mirror_normalize(
             images, mirror=mirror, mean=[255 * m for m in spec.mean], std=[255 * s for s in spec.std],

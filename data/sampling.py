@@ -26,9 +26,11 @@ def train_batches(n: int, world: int, rank: int, batch: int, seed: int, epoch: i
     return mine[:steps * batch].reshape(steps, batch)
 
 
-def val_batches(n: int, world: int, rank: int, batch: int) -> list[np.ndarray]:
-    """This rank's share of the validation set in order (every world-th image), the last batch possibly short."""
-    mine = np.arange(rank, n, world, dtype=np.int64)
+def val_batches(samples: int | np.ndarray, world: int, rank: int, batch: int) -> list[np.ndarray]:
+    """This rank's share of the validation set in order (every world-th of `samples`: indices, or a count n
+    for all of 0..n-1), the last batch possibly short."""
+    indices = np.arange(samples, dtype=np.int64) if np.isscalar(samples) else np.asarray(samples, dtype=np.int64)
+    mine = indices[rank::world]
     return [mine[i:i + batch] for i in range(0, len(mine), batch)]
 
 

@@ -2,7 +2,8 @@
 
 Training batches come from a DistributedSampler (one permutation per epoch, identical on every rank,
 each rank taking its shard; the tail that does not fill a global batch is dropped so that every rank
-runs the same number of steps). Validation is split without padding, so every image counts once.
+runs the same number of steps). Validation is split without padding, so every image counts once; its
+exclusion list and rectangular batches are planned in data/rect_val.py, as for DALI.
 It reads data.root directly (no cache levels) and lists the same files as the DALI backend. An image
 PIL cannot decode is replaced by the next one and named in the log (by the worker that met it).
 Crops and flips are seeded per (seed, epoch, sample), so an epoch can restart at any step (a mid-epoch
@@ -14,15 +15,19 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-from typing import Any, Iterator
+import os
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from torchvision import datasets, transforms
+from torchvision.transforms import functional as F
 
+from data.cache import cache_folder
 from data.config import DataConfig
-from data.layout import check_dataset, has_image_extension
+from data.layout import check_dataset, has_image_extension, list_split
+from data.rect_val import center_anchors, cover_sizes, header_sizes, plan_val, uses_rect, validation_subset
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +61,26 @@ class SeededImageFolder(TolerantImageFolder):
         with torch.random.fork_rng(devices=[]):  # the transforms draw from torch's global generator
             torch.manual_seed(draw)
             return super().__getitem__(index)
+
+
+class RectValDataset(Dataset):
+    """Validation images each resized and center-cropped to its batch's rectangle (`crops[index]`, (height,
+    width)), the sizes from data/rect_val.py's rules applied to the decoded image (a replaced bad file too)."""
+
+    def __init__(self, base: TolerantImageFolder, crops: dict[int, tuple[int, int]], short_side: int,
+                 normalize: Callable) -> None:
+        self.base, self.crops, self.short_side, self.normalize = base, crops, short_side, normalize
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        img, label = self.base[index]
+        crop_h, crop_w = self.crops[index]
+        new_h, new_w = cover_sizes(np.array([img.height]), np.array([img.width]), self.short_side, crop_h, crop_w)
+        top, left = center_anchors(new_h, new_w, crop_h, crop_w)
+        img = F.resize(img, [int(new_h[0]), int(new_w[0])], antialias=True)
+        return self.normalize(F.crop(img, int(top[0]), int(left[0]), crop_h, crop_w)), label
 
 
 class ResumableSampler(DistributedSampler):
@@ -99,6 +124,8 @@ class TorchvisionImageData:
         self.cfg, self.rank, self.world_size, self.seed, self.pin_memory = cfg, rank, world_size, seed, pin_memory
         self._train = TolerantImageFolder(f"{cfg.root}/train")
         self._val = TolerantImageFolder(f"{cfg.root}/val")
+        self._val_files = [os.path.relpath(path, self._val.root).replace(os.sep, "/") for path, _ in self._val.samples]
+        self._val_kept = validation_subset(cfg, self._val_files, rank)
 
     @property
     def train_size(self) -> int:
@@ -124,15 +151,33 @@ class TorchvisionImageData:
         return EpochLoader(loader, sampler, self.seed)
 
     def val_loader(self, image_size: int, batch_size: int) -> EpochLoader:
-        """This rank's share of the validation set, resized and center-cropped, each image exactly once overall."""
-        ds = copy.copy(self._val)
-        ds.transform = transforms.Compose([
-            transforms.Resize(round(image_size * self.cfg.val_resize_ratio), antialias=True),
-            transforms.CenterCrop(image_size)] + self._normalize())
-        shard = Subset(ds, range(self.rank, len(ds), self.world_size))
-        loader = DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=self.cfg.workers,
+        """This rank's share of the validation set (less data.val_exclude), resized and center-cropped to
+        `image_size` squares or, from data.rect_val_from_size on, to each batch's rectangle; each image exactly
+        once overall."""
+        short_side = round(image_size * self.cfg.val_resize_ratio)
+        if not uses_rect(self.cfg, image_size):
+            ds = copy.copy(self._val)
+            ds.transform = transforms.Compose([transforms.Resize(short_side, antialias=True),
+                                               transforms.CenterCrop(image_size)] + self._normalize())
+            shard = Subset(ds, self._val_kept[self.rank::self.world_size].tolist())
+            loader = DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=self.cfg.workers,
+                                pin_memory=self.pin_memory)
+            return EpochLoader(loader, None, self.seed)
+        batches, crops = plan_val(self._val_kept, self.world_size, self.rank, batch_size, image_size,
+                                  self._val_sizes())
+        ds = RectValDataset(copy.copy(self._val), {int(i): crop for b, crop in zip(batches, crops) for i in b},
+                            short_side, transforms.Compose(self._normalize()))
+        loader = DataLoader(ds, batch_sampler=[b.tolist() for b in batches], num_workers=self.cfg.workers,
                             pin_memory=self.pin_memory)
         return EpochLoader(loader, None, self.seed)
+
+    def _val_sizes(self) -> tuple[np.ndarray, np.ndarray]:
+        """The validation images' header sizes in ImageFolder's order (the DALI backend's listing, checked)."""
+        split = list_split(self.cfg.root, "val", classes=self._val.classes)
+        if split.files != self._val_files:
+            raise RuntimeError(f"{split.folder}: ImageFolder and data.layout list different validation files")
+        return header_sizes(split, cache_folder(self.cfg.cache, self.cfg.root), self.cfg.workers,
+                            progress=self.rank == 0)
 
     def stats(self) -> dict[str, float]:
         """No cache levels here; skipped images are named in the log by the worker processes."""
