@@ -2,8 +2,9 @@
 
 Python decides what each batch holds (sampling.py: the epoch's permutation, this rank's shard, crops and
 flips; rect_val.py: validation's batches and crop windows) and hands DALI the bytes (or L3 pixels) through
-fn.external_source; DALI decodes, crops, resizes and normalizes on its threads (or the GPU). A phase change builds a new pipeline for the new image and
-batch size; the cache, the listings and the screening verdicts live on in the data object.
+fn.external_source; DALI decodes, crops, resizes and normalizes on its threads (or the GPU). A phase change
+builds a new pipeline for the new image and batch size; the cache, the listings and the screening verdicts
+live on in the data object.
 
 The Python side of a batch (cache reads, misses filled from the levels below, screening, L3 decoding,
 crop windows) runs on a prefetch thread, up to `prefetch_batches` batches ahead of DALI, so a cache miss
