@@ -1,6 +1,7 @@
 """The Horovod backend for real: `horovodrun --gloo` with 4 processes (2 nodes x 2), every communicator.
 
-Skipped where Horovod is not installed (`make horovod` builds it; CI does).
+Skipped where Horovod is not installed (`make horovod` builds it; CI does). How the backend is chosen (the
+Horovod module only when asked for, unknown names, a missing Horovod) is checked everywhere.
 """
 
 import importlib.util
@@ -43,3 +44,37 @@ def test_recipe_runs_on_horovod_with_a_checkpoint(tmp_path, digits_root):
     state, _ = Checkpointer(tmp_path / "run" / "checkpoints").load_latest()
     assert state["trainer"]["step"] == 3 and len(state["comm"]["ranks"]) == 2
     assert state["comm"]["ranks"][1]["residuals"]  # rank 1's error feedback reached rank 0's checkpoint
+
+
+# ---------------------------------------------------------------- choosing the backend (runs everywhere)
+
+
+def test_horovod_is_not_imported_unless_chosen():
+    """An optional dependency: a gloo run (here one process) never imports the Horovod backend or Horovod."""
+    code = ("import sys\nfrom trainer.dist import DistConfig, setup_distributed, teardown_distributed\n"
+            "topo = setup_distributed(DistConfig(backend='gloo'))\nteardown_distributed()\n"
+            "print(sorted(m for m in sys.modules if 'horovod' in m))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_an_unknown_backend_lists_the_valid_ones():
+    from trainer.config import ConfigError
+    from trainer.dist import DistConfig, resolve_backend, setup_distributed
+    with pytest.raises(ConfigError,
+                       match=r"^dist.backend: unknown backend 'mpi' \(valid: auto, gloo, nccl, horovod\)$"):
+        setup_distributed(DistConfig(backend="mpi"))  # type: ignore[arg-type] - what a typo in code would do
+    with pytest.raises(ConfigError, match=r"^dist.backend: horovod is not a torch.distributed backend \(auto, nccl or "
+                                          r"gloo\)$"):
+        resolve_backend("horovod")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("horovod") is not None, reason="Horovod is installed here")
+def test_choosing_horovod_without_it_says_how_to_install_it():
+    from trainer.config import ConfigError
+    from trainer.dist import DistConfig, setup_distributed
+    with pytest.raises(ConfigError, match=r"^dist.backend: horovod needs Horovod, which is not installed "
+                                          r"\(run `make horovod`\)$"):
+        setup_distributed(DistConfig(backend="horovod"))

@@ -115,7 +115,7 @@ def setup_horovod(cfg: DistConfig) -> Topology:
         intra, inter = (HorovodGroup(ps, rank, timeout) for ps in sets if ps.included())
         return intra, inter
 
-    topo.join(HorovodGroup(hvd.global_process_set, rank, timeout), node_groups)
+    topo.set_groups(HorovodGroup(hvd.global_process_set, rank, timeout), node_groups)
     return topo
 
 

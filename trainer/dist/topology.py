@@ -149,7 +149,7 @@ class Topology:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def join(self, world: Group, node_groups: Callable[[], tuple[Group, Group]]) -> None:
+    def set_groups(self, world: Group, node_groups: Callable[[], tuple[Group, Group]]) -> None:
         """Set the world group and the node groups. `node_groups()` returns this rank's (intra-node, inter-node)
         subgroups; it is called only when there are several nodes of several ranks. With one node, the world
         is the node; with one rank per node, the world is the inter-node group."""

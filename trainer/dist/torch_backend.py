@@ -242,7 +242,7 @@ def setup_torch(cfg: DistConfig) -> Topology:
         inter, _ = dist.new_subgroups_by_enumeration(peers, timeout=timeout, backend=backend)
         return TorchGroup(intra, rank, timeout, _liveness), TorchGroup(inter, rank, timeout, _liveness)
 
-    topo.join(TorchGroup(None, rank, timeout, _liveness), node_groups)
+    topo.set_groups(TorchGroup(None, rank, timeout, _liveness), node_groups)
     return topo
 
 
