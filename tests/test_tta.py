@@ -8,11 +8,12 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+from PIL import Image
 
 from recipes.resnet50 import main as train_recipe
 from scripts import tta_baseline
 from scripts.bench.tta import Run, compare, emit, launch, read_run, report
-from scripts.plot_tta import first_reach, plot
+from scripts.plot_tta import first_reach, plot, read_curve
 from tests.conftest import ROOT, run_ranks
 from tests.test_trainer import TINY, phases
 
@@ -143,11 +144,24 @@ def test_plot_draws_recorded_runs_of_both_sides(runs, tmp_path):
     assert (width, height) == (840, 540)  # 7 x 4.5 inches at 120 dpi
 
 
+def test_plotted_points_are_the_runs_evaluations(runs):
+    """Each curve is its run's evaluated epochs, as the run's summary.json records them (both sides)."""
+    for side in ("baseline", "recipe", "missed"):
+        history = json.loads((runs[side] / "summary.json").read_text())["history"]
+        assert len(history) >= 1
+        assert read_curve(runs[side], "top1") == ([h["time/elapsed_s"] for h in history],
+                                                  [h["eval/top1"] for h in history]), side
+
+
 def test_plot_cli_on_run_folders(runs, tmp_path):
     out = tmp_path / "cli.png"
-    subprocess.run([sys.executable, "scripts/plot_tta.py", str(runs["baseline"]), str(runs["recipe"]),
-                    "--labels", "baseline", "recipe", "--out", str(out)], cwd=ROOT, check=True, capture_output=True)
-    assert out.stat().st_size > 0
+    done = subprocess.run([sys.executable, "scripts/plot_tta.py", str(runs["baseline"]), str(runs["recipe"]),
+                           "--labels", "baseline", "recipe", "--out", str(out)], cwd=ROOT, check=True,
+                          capture_output=True, text=True)
+    assert done.stdout.strip() == str(out)
+    with Image.open(out) as png:
+        assert png.format == "PNG" and png.size == (840, 540)  # 7 x 4.5 inches at 120 dpi
+        png.load()  # the whole image decodes
 
 
 def test_plot_needs_one_label_and_colour_per_run(runs, tmp_path):
