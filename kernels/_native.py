@@ -27,8 +27,8 @@ CSRC = Path(__file__).parent / "csrc"
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"]
 # lars_cpu runs its threads with OpenMP. Its libgomp.so.1 resolves to the one torch has already
 # loaded (same soname), so the kernel runs on torch's own OpenMP threads, which after the previous
-# torch op are still spinning on the cores: std::threads had to share a core with one of them
-# (ResNet-50 step 20 ms instead of 15 ms on the 2-core box). Where torch ships another OpenMP
+# torch op are still spinning on the cores, where std::threads would share a core with one of
+# them and slow the step down. Where torch ships another OpenMP
 # runtime, the system libgomp loads beside it and the kernel still works, on threads of its own.
 EXTRA_FLAGS = {"lars_cpu": ["-fopenmp"]}
 

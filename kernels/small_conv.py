@@ -1,14 +1,8 @@
 """2-D convolutions on tiny feature maps as one GEMM, for the CPU.
 
 Progressive resizing starts small: at 32 px ResNet's last stage runs on 1x1 maps, at 48-64 px on 2x2. There
-oneDNN's direct convolution kernels do far more work than the arithmetic needs (measured on an AVX2 EPYC, one
-thread, batch 32, forward + backward of a 3x3 convolution):
-
-    512 -> 512 ch on 1x1 maps        oneDNN 50 ms    one valid tap as a linear layer  5 ms
-    256 -> 512 ch, stride 2, 2x2     oneDNN 14 ms    im2col + GEMM                    6 ms
-    512 -> 512 ch on 2x2 maps        oneDNN 56 ms    im2col + GEMM                   34 ms
-    256 -> 512 ch, stride 2, 4x4     oneDNN 34 ms    im2col + GEMM                   15 ms
-    256 ch on 3x3 maps               oneDNN 15 ms    im2col + GEMM                   17 ms  (not taken)
+oneDNN's direct convolution kernels do far more work than the arithmetic needs, while from 3x3 maps on they
+are as fast as a GEMM or faster (scripts/bench/small_conv.py compares both per layer and per step).
 
 So a convolution whose output has at most `MAX_POSITIONS` positions runs as `F.unfold` (im2col) and one
 `F.linear` over all of them; autograd differentiates both. When the output is one position and only one

@@ -34,10 +34,9 @@ inline int omp_get_num_threads() { return 1; }
 
 namespace {
 
-// A thread's share of a block's w and g (1 MiB with 2 threads) fits a core's L2 on the 2-core box,
-// so the update phase re-reads them from cache. Most of ResNet-50 is in tensors larger than a
-// block, which cannot gain this way: there the measured step time was the same, within noise, for
-// blocks of 2^16 to 2^22 elements, and walking the update phase backwards to reuse L3 was slower.
+// A thread's share of a block's w and g (1 MiB with 2 threads) fits a core's L2, so the update
+// phase re-reads them from cache. Most of ResNet-50 is in tensors larger than a block, which
+// cannot gain this way, so the block size hardly matters for them.
 constexpr int64_t kBlockElements = int64_t{1} << 18;
 constexpr int64_t kChunk = int64_t{1} << 14;     // elements per task: 64 KiB of each array
 constexpr int64_t kMinChunk = int64_t{1} << 15;  // elements per thread worth a second thread
@@ -57,10 +56,10 @@ struct Options {
 };
 
 // Adds sum(w^2) and sum(g^2) over [0, n) to sums[0] and sums[1]. Written with vector types because
-// without -ffast-math GCC may not reorder a float sum, and its own attempt (vectorising across
-// iterations with shuffles) ran at half the memory bandwidth. Each float lane sums at most
-// kFlush / kLanes squares before going into a double, which keeps the result within 1e-9 relative
-// of a float64 sum (measured on 1 Mi heavy-tailed values).
+// without -ffast-math GCC may not reorder a float sum, and its own vectorisation (across
+// iterations, with shuffles) does not keep up with memory. Each float lane sums at most
+// kFlush / kLanes squares before going into a double, which keeps the result close to a float64
+// sum.
 void add_squares(const float* w, const float* g, int64_t n, double* sums) {
   for (int64_t start = 0; start < n; start += kFlush) {
     const int64_t stop = std::min(n, start + kFlush);
