@@ -9,7 +9,7 @@ validation), a torchvision model wrapped in DistributedDataParallel (dense gradi
 momentum 0.9 and weight decay 1e-4 on every parameter, and the learning rate set per epoch by linear warm-up
 then cosine annealing (`--lr-scheduler steplr` for the step schedule). No cache, no fused optimizer, no label
 smoothing unless asked. Evaluation after every epoch over the whole validation split (each image once, summed
-across ranks). The defaults are the tuned baseline of scripts/bench/tta.py (its docstring has the sweep).
+across ranks). The defaults are the baseline settings of scripts/bench/tta.py (BASELINE_ARGS).
 It sits outside scripts/bench/ because `make bench` runs every script there, and this one is not a benchmark.
 
 Differences from the reference, each to make the comparison with the recipe fair: `--hflip-prob` and
