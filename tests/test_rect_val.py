@@ -196,4 +196,3 @@ def test_the_dawnbench_configs_validate_the_last_phase_rectangular():
         cfg = load_config(Config, f"configs/{name}.yaml")
         sizes = [p.val_image_size or p.image_size for p in cfg.schedule.phases]
         assert cfg.data.rect_val_from_size == 288 and [s >= 288 for s in sizes] == [False, False, False, True]
-        assert cfg.data.val_exclude == "ILSVRC2014_clsloc_validation_blacklist.txt"
