@@ -307,7 +307,7 @@ class FusedLARS(Optimizer):
 
 
 class LARSReference(Optimizer):
-    r"""FusedLARS's update written plainly, one tensor at a time: the independent check of its paths.
+    r"""FusedLARS's update written plainly, one tensor at a time: the independent check of it.
 
     The same formula, options, param groups (``lars_exclude``), ``state[p]["momentum_buffer"]`` and
     `step_metrics` as FusedLARS (see its docstring), with each line of the formula one torch op on
@@ -331,10 +331,9 @@ class LARSReference(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        """One update of every parameter that has a gradient; `closure` (run with grad enabled)
+        gives the loss."""
+        loss = None if closure is None else torch.enable_grad()(closure)()
         self._ratios = []
         for group in self.param_groups:
             for w in group["params"]:
@@ -369,5 +368,9 @@ class LARSReference(Optimizer):
         above = sum(hi is not None and ratio.item() > hi for ratio, _, hi in self._ratios)
         below = sum(ratio.item() < lo for ratio, lo, _ in self._ratios)
         device = self.param_groups[0]["params"][0].device
-        return {"optim/lars_clipped_max_fraction": torch.tensor(above / max(layers, 1), device=device),
-                "optim/lars_clipped_min_fraction": torch.tensor(below / max(layers, 1), device=device)}
+
+        def fraction(count: int) -> Tensor:
+            return torch.tensor(count / max(layers, 1), device=device)
+
+        return {"optim/lars_clipped_max_fraction": fraction(above),
+                "optim/lars_clipped_min_fraction": fraction(below)}
