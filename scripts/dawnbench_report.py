@@ -13,8 +13,9 @@ https://github.com/stanford-futuredata/dawn-bench-entries (README.md, "ImageNet 
   report.md                                           the run beside published ImageNet entries
 
 Everything about the run is read from its files (summary.json through trainer.dawnbench.read_summary,
-config.yaml, dawnbench.tsv); the published figures are the cited constants of trainer.dawnbench.PUBLISHED. `--hardware auto` describes the machine the script runs on: use it
-only where the run itself ran (`make quickstart` does).
+config.yaml, dawnbench.tsv); the published figures are the cited constants of trainer.dawnbench.PUBLISHED.
+`--hardware auto` describes the machine the script runs on: use it only where the run itself ran (`make
+quickstart` does).
 """
 
 from __future__ import annotations

@@ -312,7 +312,8 @@ def test_fused_lars_compiled_cpu_path_matches_reference(nesterov: bool, trust_cl
     momenta = [0.9 + 0.004 * s for s in range(20)]  # cyclic-momentum-like
     frozen = torch.nn.Parameter(torch.ones(7))  # grad None: skipped, no state
     try:
-        weights, opt = run_lars(FusedLARS, params, grads, excluded, lrs, momenta, (frozen,), **options)
+        weights, opt = run_lars(FusedLARS, params, grads, excluded, lrs, momenta, (frozen,),
+                                **options)
     finally:
         torch.set_num_threads(previous_threads)
     assert torch.equal(frozen, torch.ones(7)) and frozen not in opt.state
@@ -389,8 +390,8 @@ def test_fused_lars_trust_range_by_hand(path: str, monkeypatch) -> None:
     paths and the reference the other tests compare them with."""
     if path == "foreach float32":
         monkeypatch.setattr(lars_module, "native_library", lambda: None)
-    weights, opt = clip_problem(torch.float64 if path in ("foreach", "reference") else torch.float32,
-                                LARSReference if path == "reference" else FusedLARS)
+    dtype = torch.float64 if path in ("foreach", "reference") else torch.float32
+    weights, opt = clip_problem(dtype, LARSReference if path == "reference" else FusedLARS)
     metrics = opt.step_metrics()  # before any step: nothing clipped
     assert {k: v.item() for k, v in metrics.items()} == {
         "optim/lars_clipped_max_fraction": 0.0, "optim/lars_clipped_min_fraction": 0.0}
