@@ -40,7 +40,7 @@ def recipe_args(digits_root: Path, log_dir: Path, kind: str, *extra: str) -> lis
 
 def torchrun(args: list[str], restarts: int = 0, fault: str = "") -> subprocess.CompletedProcess:
     """2 ranks under torchrun (its own rendezvous store), stdout and stderr together."""
-    env = {**os.environ, "FAULT": fault, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "FAULT": fault}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            f"--max-restarts={restarts}", "-m", "tests.faults.inject", *args]
     # A session of its own: on a hang, the launcher and its workers go together.
@@ -128,7 +128,7 @@ def test_a_stopped_rank_is_named_in_a_timeout_error(tmp_path, digits_root):
     port, procs = free_port(), []
     argv = recipe_args(digits_root, tmp_path / "run", "dense", "dist.timeout_s=10")
     for rank in range(2):
-        env = {**os.environ, "FAULT": "stop:1:3", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+        env = {**os.environ, "FAULT": "stop:1:3", "OMP_NUM_THREADS": "1",
                "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         with open(tmp_path / f"rank{rank}.log", "w") as log:  # a file, not a pipe: nobody reads rank 1's
