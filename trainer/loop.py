@@ -322,8 +322,7 @@ class Trainer:
     def check_finite(self, loss: torch.Tensor) -> None:
         """Stop before a non-finite update: one host sync. The gradients are averaged (equal on every rank; a
         rank's NaN reaches all of them), so every rank stops at the same step. A plain sum finds any inf or NaN
-        (they propagate through it) and is one vectorized pass; the max-abs norm took 30 ms per ResNet-18 step
-        on the CPU, 15x more."""
+        (they propagate through it) in one vectorized pass, cheaper than a max-abs norm."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         sums = [g.sum(dtype=torch.float32) for g in grads] or [torch.zeros((), device=self.topo.device)]
         total, value = torch.stack([torch.stack(sums).sum(),

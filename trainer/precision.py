@@ -26,7 +26,7 @@ def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
     if amp == "fp16" and device.type != "cuda":
         raise ConfigError("train.amp: fp16 needs CUDA; use bf16 or off on the CPU")
     if amp == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
-        # measured: ResNet-18 steps ~20x slower than fp32 on an AVX2-only EPYC, 1.4-1.7x faster with AVX512-BF16
+        # emulated bf16 makes every convolution many times slower than fp32; hardware bf16 makes it faster
         warnings.warn("train.amp: bf16 on a CPU without AVX512-BF16 or AMX is emulated and far slower than "
                       "fp32 here; train.amp=off is the fast choice on this machine", stacklevel=2)
     return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]

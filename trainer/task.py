@@ -59,7 +59,7 @@ class Task(Protocol):
 
     def report(self, summary: dict[str, Any]) -> list[str]:
         """Lines for the printed result: the final evaluation (and test scores) in the task's own terms."""
-        ...
+        return []
 
     def test(self) -> dict[str, float]:
         """Collective: scores on the held-out test split by name, e.g. {"bleu": 27.1}; {} without one. The
