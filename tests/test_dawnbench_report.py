@@ -56,7 +56,7 @@ def test_entry_json_has_every_dawnbench_field(runs, tmp_path):
         assert type(entry[key]) is kind, key
     assert entry["version"] == "v1.0" and entry["costPerHour"] == 3.06 and entry["model"] == "resnet18"
     assert date.fromisoformat(entry["timestamp"]) == date.today()
-    assert list(tmp_path.glob("test-author_resnet18_1rank_pytorch.json"))
+    assert list(tmp_path.glob("test-author_resnet18_1cpu_pytorch.json"))
     summary = json.loads((runs["reached"] / "summary.json").read_text())
     misc = entry["misc"]
     assert misc["targetReached"] and misc["timeToTargetSeconds"] == summary["time_to_target_s"]
@@ -88,7 +88,7 @@ def test_report_places_the_run_beside_published_entries(runs, tmp_path):
     tta = entry["misc"]["timeToTargetSeconds"]
     mine = next(line for line in md.splitlines() if line.startswith("| **This run (reached)** |"))
     assert f"{hms(tta)} ({tta:.1f} s, epoch 1)" in mine and f"${tta / 3600 * 3.06:.2f}" in mine
-    assert "5% top-5" in mine and "1 rank; device not recorded" in mine
+    assert "5% top-5" in mine and "1 CPU process (gloo)" in mine  # the quickstart config names gloo
 
 
 def test_a_run_that_never_reached_its_target_is_labelled_so(runs, tmp_path):
