@@ -167,8 +167,10 @@ class Trainer:
         self.phases: list[Phase] = self.schedule.phases
         self.amp_dtype = resolve_amp(cfg.train.amp, topo.device)
         self.scaler = build_grad_scaler(cfg.train.loss_scale, self.amp_dtype, topo.device)
-        # The scaler skips optimizer.step() after an overflow; this hook tells us whether it ran, without
-        # reading the scale back from the device (the scaler's own check is the step's one host sync).
+        # Whether the scaler applied the step, learnt from the optimizer's post-step hook instead of reading
+        # the scale back: a plain optimizer's step is not called after an overflow (the scaler's inf check is
+        # the step's one host sync); a fused one (torch's fused Adam) is always called and skips inside,
+        # with the scaler's `found_inf` tensor set on it during the call, which the hook reads (the one sync).
         self._stepped = False
         self.optimizer.register_step_post_hook(self._on_optimizer_step)
         self.checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", cfg.train.keep_checkpoints)
@@ -283,7 +285,8 @@ class Trainer:
         return min(steps, self.train_cfg.max_steps_per_epoch) if self.train_cfg.max_steps_per_epoch else steps
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._stepped = True
+        found_inf = getattr(optimizer, "found_inf", None)  # set by GradScaler only around a fused step
+        self._stepped = found_inf is None or not bool(found_inf.item())
 
     def train_step(self, batch: Any) -> tuple[torch.Tensor, int, dict[str, float]]:
         """Forward, backward (buckets launch from hooks), wait for the gradient exchange, optimizer step;
