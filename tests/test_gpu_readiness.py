@@ -162,6 +162,27 @@ def test_the_replica_guard_names_the_first_diverged_rank(tmp_path):
     run_ranks(_guard, 3, tmp_path)
 
 
+def _guard_in_training(rank: int, world: int, tmp: str) -> None:
+    topo = setup_distributed(DistConfig())
+    model = Params()
+    comm = build_communicator(CommConfig(kind="dense", bucket_mb=BUCKET_MB), model, topo)
+    trainer = Trainer(LoopConfig(TrainConfig(), log=LogConfig(dir=tmp)), topo, LinearTask(model, rank),
+                      Components(model, torch.optim.SGD(model.parameters(), lr=0.1), comm,
+                                 guard=ReplicaGuard(DistConfig(check_every_steps=2).check_every_steps, topo)))
+    for step in range(3):  # the guard checks after optimizer steps 2 and 4 (trainer.step counts them)
+        if step == 2 and rank == 1:  # a bad update on one rank, as a bit flip or a nondeterministic kernel makes
+            with torch.no_grad():
+                model.ps[3][0] += 1e-3
+        trainer.train_step(10 + step)  # steps of LinearTask without an overflow
+        trainer.step += 1
+    with pytest.raises(ReplicaDivergenceError, match=r"step 4: .*rank 1's weights"):
+        trainer.train_step(13)
+
+
+def test_the_trainer_runs_the_replica_guard(tmp_path):
+    run_ranks(_guard_in_training, 2, tmp_path, str(tmp_path / "run"))
+
+
 def test_weights_checksum_sees_one_bit_and_a_swap():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
