@@ -142,24 +142,27 @@ def test_sparse_sums_add_the_payloads_in_rank_order():
 # ---------------------------------------------------------------- the replica guard
 
 
-def _guard(rank: int, world: int) -> None:
+def _guard(rank: int, world: int, odd: int) -> None:
     topo = setup_distributed(DistConfig())
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
     guard = ReplicaGuard(5, topo)
     guard.maybe_check(model, 5)  # equal replicas: passes
     with torch.no_grad():
-        if rank == 2:  # one ulp on one weight of one rank
+        if rank == odd:  # one ulp on one weight of one rank
             w = model[1].weight
             w[0, 0] = torch.nextafter(w[0, 0], torch.tensor(1.0))
     guard.maybe_check(model, 7)  # not due: no collective, no error
-    with pytest.raises(ReplicaDivergenceError, match=r"step 10: .*rank 2's weights are not bitwise equal to rank "
-                                                      r"0's \(diverged ranks: \[2\]\)"):
+    with pytest.raises(ReplicaDivergenceError, match=rf"step 10: .*rank {odd}'s weights are not bitwise equal to the "
+                                                      rf"other ranks' \(diverged ranks: \[{odd}\]; equal at the "
+                                                      rf"previous check, step 5\)"):
         guard.maybe_check(model, 10)
 
 
-def test_the_replica_guard_names_the_first_diverged_rank(tmp_path):
-    run_ranks(_guard, 3, tmp_path)
+@pytest.mark.parametrize("odd", [0, 2])
+def test_the_replica_guard_names_the_diverged_rank(tmp_path, odd):
+    """Named by the majority, so a diverged rank 0 is named too (not every other rank)."""
+    run_ranks(_guard, 3, tmp_path, odd)
 
 
 def _guard_in_training(rank: int, world: int, tmp: str) -> None:
@@ -381,3 +384,14 @@ def test_any_failure_of_the_background_writer_is_a_checkpoint_write_error(tmp_pa
     ckpt.save_in_background({"w": torch.ones(2)}, 2)
     ckpt.wait()
     assert [p.name for p in ckpt.paths()] == ["ckpt-00000002.pt"]
+
+
+def test_nccl_needs_a_gpu_per_rank_on_the_machine(monkeypatch):
+    from trainer.dist.torch_backend import gpu_index_of
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert gpu_index_of(3, 4) == 3
+    with pytest.raises(ConfigError, match=r"dist.backend: nccl: 8 ranks on this machine but 4 GPU\(s\) visible"):
+        gpu_index_of(5, 8)
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    with pytest.warns(UserWarning, match="TORCH_NCCL_BLOCKING_WAIT is set"):
+        gpu_index_of(0, 4)

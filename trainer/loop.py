@@ -381,6 +381,7 @@ class Trainer:
         torch.backends.cudnn.benchmark = not self.train_cfg.deterministic
         epoch_start = time.perf_counter()
         record = {"epoch": self.epoch, **self.train_epoch(phase, bar)}
+        self.guard.check(self.model, self.step)  # evaluation and checkpoints assume equal replicas
         last = self.epoch + 1 == self.train_cfg.epochs
         stop = False
         if self.should_evaluate(last):

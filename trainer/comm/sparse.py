@@ -23,7 +23,7 @@ Residuals are kept in unscaled units. Gradients arrive multiplied by the loss sc
 (`set_grad_scale`, a 0-d tensor on the device, read without a host sync); step 2 adds S * residual and the
 unsent remainder is stored divided by S, so a scale change between steps (the scaler halving after an
 overflow, doubling after its growth interval) never re-weights old residuals. S is a power of two, so both
-products are exact.
+products are exact unless a value overflows or falls below fp32's normal range (|x| < 2^-126 S).
 
 Each bucket keeps two residual buffers: a step writes the new residual into the spare one and swaps them.
 `rollback()` swaps back every bucket this step updated, so a step the loss scaler skips leaves every

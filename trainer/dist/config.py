@@ -17,7 +17,9 @@ class DistConfig:
     """Collective backend: auto = NCCL where CUDA exists, gloo otherwise; horovod = Horovod's collectives
     (launch with horovodrun; install with `make horovod`)."""
     timeout_s: float = 300.0
-    """Seconds a collective may wait for a peer before the run fails with an error naming the operation."""
+    """Seconds a collective may wait for a peer. gloo: the run fails with an error naming the operation and the
+    silent peers; NCCL: the process group's watchdog aborts the ranks (waits are stream-ordered, not timed
+    on the host, so that exchanges overlap the backward pass)."""
     ranks_per_node: int = 0
     """Ranks per node; 0 = from the launcher (LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE). Set it to emulate
     several nodes on one machine (2 processes as 2 nodes x 1 rank, say)."""

@@ -4,6 +4,8 @@ no-op by construction."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 
@@ -60,17 +62,30 @@ class ReplicaGuard:
     def __init__(self, every: int, topo: Topology) -> None:
         self.every = every if topo.distributed else 0
         self.topo = topo
+        self.last_equal: int | None = None
+        """The step of the last check that found the replicas equal."""
 
     def should_check(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
     def maybe_check(self, module: nn.Module, step: int) -> None:
-        if not self.should_check(step):
+        """`check` when `step` is due."""
+        if self.should_check(step):
+            self.check(module, step)
+
+    def check(self, module: nn.Module, step: int) -> None:
+        """Collective (when the guard is on): stop every rank if the replicas differ, naming the ranks whose
+        checksum differs from the most common one (rank 0 may be the odd one out)."""
+        if self.every <= 0:
             return
         sums = self.topo.world.all_gather(weights_checksum(module).reshape(1).to(self.topo.device),
                                           "all-gather of the weight checksums").tolist()
-        diverged = [r for r, value in enumerate(sums) if value != sums[0]]
-        if diverged:
+        if len(set(sums)) > 1:
+            majority = Counter(sums).most_common(1)[0][0]
+            diverged = [r for r, value in enumerate(sums) if value != majority]
+            since = f"equal at the previous check, step {self.last_equal}" if self.last_equal is not None else \
+                "never checked equal before"
             raise ReplicaDivergenceError(
-                f"step {step}: the model replicas differ: rank {diverged[0]}'s weights are not bitwise equal to "
-                f"rank 0's (diverged ranks: {diverged}); every rank stops (dist.check_every_steps)")
+                f"step {step}: the model replicas differ: rank {diverged[0]}'s weights are not bitwise equal to the "
+                f"other ranks' (diverged ranks: {diverged}; {since}); every rank stops (dist.check_every_steps)")
+        self.last_equal = step

@@ -7,6 +7,7 @@ import datetime
 import os
 import threading
 import time
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -199,6 +200,21 @@ def elastic_attempt_store(world: int, timeout_s: float) -> Any | None:
     return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def gpu_index_of(local_rank: int, ranks_on_machine: int) -> int:
+    """The GPU of this rank: its local rank, when this machine has a GPU for each of its ranks. NCCL cannot
+    run two ranks on one GPU, so fewer GPUs than ranks is an error now rather than a failure at the first
+    collective; a blocking NCCL wait (TORCH_NCCL_BLOCKING_WAIT=1) would block the host on every bucket."""
+    visible = torch.cuda.device_count()
+    if ranks_on_machine > visible:
+        raise ConfigError(f"dist.backend: nccl: {ranks_on_machine} ranks on this machine but {visible} GPU(s) visible "
+                          "(CUDA_VISIBLE_DEVICES); start one rank per GPU (torchrun --nproc_per_node)")
+    if os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") not in ("", "0"):
+        warnings.warn("TORCH_NCCL_BLOCKING_WAIT is set: every collective's wait blocks the host, so gradient "
+                      "exchanges no longer overlap the backward pass; unset it (the process group's timeout and "
+                      "its watchdog still end a hung collective)", stacklevel=2)
+    return local_rank
+
+
 def setup_torch(cfg: DistConfig) -> Topology:
     """Join (or reuse) the process group from torchrun's or Slurm's environment and build the node groups.
 
@@ -215,8 +231,10 @@ def setup_torch(cfg: DistConfig) -> Topology:
     if cfg.ranks_per_node:  # emulated nodes: derive the local rank from the layout
         local_rank = rank % per_node
     backend = resolve_backend(cfg.backend)
-    device = torch.device("cuda", gpu_index % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", gpu_index_of(gpu_index, _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE",
+                                                                    default=world)))
         torch.cuda.set_device(device)
     topo = Topology(rank=rank, world_size=world, local_rank=local_rank, ranks_per_node=per_node, device=device,
                     backend=backend)
