@@ -1,7 +1,6 @@
 """The cache levels for real: files on disk, a shared mapping between processes, integrity checks, full disks."""
 
 import logging
-import os
 import re
 import subprocess
 import sys

@@ -49,7 +49,7 @@ def test_base_inheritance_and_precedence(tmp_path):
     assert cfg.data.workers == 2  # dataclass default survives
 
 def test_unknown_key_names_file_key_and_nearest(tmp_path):
-    path = write(tmp_path / "x.yaml", f"optim: {{lrr: 0.1}}\n")
+    path = write(tmp_path / "x.yaml", "optim: {lrr: 0.1}\n")
     with pytest.raises(ConfigError, match=r"x\.yaml: optim\.lrr: unknown key \(did you mean optim\.lr\?\)"):
         load_config(Config, path, [PHASE])
     with pytest.raises(ConfigError, match=r"command line: trian: unknown key \(did you mean train\?\)"):

@@ -21,16 +21,11 @@ import torch
 
 from kernels import mstopk_device_ops, mstopk_reference, mstopk_warm_up
 from kernels.mstopk_device import LANE_BITS, split_bits
+from kernels.testing import gradient_like
 
 mstopk_module = importlib.import_module("kernels.mstopk")  # kernels.mstopk is also the function
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def gradient_like(n: int, seed: int = 0) -> torch.Tensor:
-    """Heavy-tailed like real gradients: a normal scaled by a log-normal."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=gen) * torch.randn(n, generator=gen).exp()
 
 
 def small_integers(n: int, seed: int = 0) -> torch.Tensor:

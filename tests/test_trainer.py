@@ -7,7 +7,6 @@ import json
 import multiprocessing
 import resource
 import signal
-from pathlib import Path
 
 import pytest
 import torch

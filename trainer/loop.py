@@ -431,11 +431,6 @@ class Trainer:
         set_lr_momentum(self.optimizer, lr, momentum)
         return lr, momentum
 
-    def evaluate(self, phase: Phase) -> dict[str, float]:
-        """The task's `eval/*` metrics (a collective), under the run's autocast."""
-        with torch.no_grad(), self.autocast():
-            return self.task.evaluate(phase)
-
     def check_target(self, record: dict[str, float]) -> bool:
         """Collective: whether the evaluation in `record` meets the task's target (rank 0 decides; the first
         time stops the clock); True when the run should stop there (train.stop_at_target)."""
