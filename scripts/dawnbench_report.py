@@ -27,7 +27,6 @@ import math
 import os
 import platform
 import re
-import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import date
@@ -36,10 +35,8 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file: make the repo importable
-
-from trainer.classification import DawnbenchWriter  # noqa: E402  (the TSV format is defined once, there)
-from trainer.dawnbench import PUBLISHED, PUBLISHED_TARGET, RunSummary, SummaryError, read_summary  # noqa: E402
+from trainer.classification import DawnbenchWriter  # the TSV format is defined once, there
+from trainer.dawnbench import PUBLISHED, PUBLISHED_TARGET, RunSummary, SummaryError, read_summary
 
 DAWNBENCH_VERSION = "v1.0"  # the only version the entries repository defines
 
