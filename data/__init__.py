@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from data.cache import CacheConfig
 from data.config import DataConfig, DataConfigError
 from data.layout import DatasetNotFoundError, check_dataset
+
+if TYPE_CHECKING:  # the backends import DALI or torchvision: only when used
+    from data.dali_loader import DaliImageData
+    from data.synthetic import SyntheticImageData
+    from data.torchvision_loader import TorchvisionImageData
 
 __all__ = ["CacheConfig", "DataConfig", "DataConfigError", "DatasetNotFoundError", "build_image_data",
            "check_dataset", "dali_available", "resolve_backend"]
@@ -42,7 +48,8 @@ def resolve_backend(backend: str) -> str:
 
 
 def build_image_data(cfg: DataConfig, rank: int, world_size: int, seed: int,
-                     device: torch.device = torch.device("cpu")):
+                     device: torch.device = torch.device("cpu")
+                     ) -> SyntheticImageData | DaliImageData | TorchvisionImageData:
     """The image data source for `cfg.backend`, delivering batches for `device` (DALI decodes on it if CUDA)."""
     backend = resolve_backend(cfg.backend)
     if backend == "synthetic":

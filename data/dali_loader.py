@@ -22,7 +22,7 @@ import collections
 import logging
 import threading
 import weakref
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -121,7 +121,7 @@ class BatchSource:
     def __len__(self) -> int:
         return len(self.batches)
 
-    def step_of(self, info) -> int:
+    def step_of(self, info: Any) -> int:
         """The epoch's step for DALI's iteration counter; StopIteration past the last one ends DALI's epoch."""
         step = self.first_step + info.iteration
         if step >= len(self.batches):
