@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
+import torch
 
 from trainer import testing
 
@@ -25,3 +26,12 @@ def digits_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real digits dataset, written once per test session at 16 px (small, fast)."""
     from data.digits import prepare
     return prepare(tmp_path_factory.mktemp("data") / "digits", size=16)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One torch thread for the test: on a shared 2-core box, small models run many times slower on two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

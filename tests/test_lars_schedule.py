@@ -42,13 +42,7 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(x, dtype=torch.float32) / 16.0, torch.tensor(y)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """A 40-step MLP gains nothing from threads, and on a shared box they make it 30x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small models: threads only add overhead
 
 
 def recipe(cfg: Config, scale: float = 1.0) -> Schedule:

@@ -19,13 +19,7 @@ from trainer.dist import Topology
 from trainer.optim import maybe_clip_gradients
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two OpenMP threads on a shared 2-core box can run 10x slower than one; the ranks use one too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small models: threads only add overhead
 
 
 @pytest.fixture(scope="module")
