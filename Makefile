@@ -40,7 +40,7 @@ horovod: setup
 digits: setup
 	$(PY) scripts/prepare_digits.py --out datasets/digits
 
-# The data cache of issue 3: fill L1 (node-local copies) and L3 (low-res arrays) for CONFIG ahead of a run, on
+# The data cache: fill L1 (node-local copies) and L3 (low-res arrays) for CONFIG ahead of a run, on
 # every node (make cache CONFIG=configs/quickstart_cpu.yaml DATA=datasets/digits); otherwise epoch 1 fills them.
 CONFIG ?= configs/resnet50_dawnbench.yaml
 .PHONY: cache imagenet-like

@@ -44,7 +44,7 @@ class Bucket:
     """While a dense exchange is in flight: the tensor on the wire (the buffer, or its fp16/bf16 copy)."""
     buffer: torch.Tensor | None = None
     """The bucket's flat gradient, allocated at its first launch and refilled every step: on the CPU a fresh
-    25 MB tensor per step costs its page faults again (30 ms per 45 MB, more than a copy into a warm one)."""
+    25 MB tensor per step pays its page faults again, which costs more than a copy into a warm one."""
 
 
 def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
