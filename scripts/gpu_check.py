@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import itertools
 import json
 import os
@@ -977,6 +978,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.run_one:
         return run_one(args.run_one, args.device, args.result_file)
+    if importlib.util.find_spec("torch") is None:  # every check needs it: one line, not a table of FAILs
+        print(f"gpu_check: torch is not installed in {sys.executable}; run it with a Python that has torch "
+              "(PYTHON=/path/to/python scripts/gpu_check.sh)", file=sys.stderr)
+        return 2
 
     start = time.perf_counter()
     deadline = start + args.budget_s

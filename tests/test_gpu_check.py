@@ -121,3 +121,16 @@ def test_resnet50_shapes_are_torchvisions():
         model = torchvision.models.resnet50()
     assert resnet50_shapes() == [tuple(p.shape) for p in model.parameters()]
     assert len(resnet50_shapes()) == 161
+
+
+def test_a_python_without_torch_gets_one_line():
+    """Every check needs torch: the wrapper says so once instead of printing a table of FAILs."""
+    import shutil
+    python = shutil.which("python3")
+    probe = subprocess.run([python, "-c", "import torch"], capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip("the system python3 has torch")
+    result = subprocess.run(["scripts/gpu_check.sh"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHON": python})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("gpu_check: torch is not installed in ") and "PYTHON=" in result.stderr
