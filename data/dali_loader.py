@@ -32,7 +32,7 @@ from data.cache import cache_folder, lowres_short_side, open_split_cache, stats_
 from data.config import DataConfig
 from data.dali_pipelines import PipelineSpec, build_pipeline, dali_decodes
 from data.layout import check_dataset, list_split
-from data.reader import SampleReader
+from data.reader import Fetch, SampleReader
 from data.rect_val import center_anchors, cover_sizes, header_sizes, plan_val, uses_rect, validation_subset
 from data.sampling import augment_rng, random_resized_crops, train_batches
 
@@ -111,7 +111,7 @@ class BatchSource:
     `stop_prefetch` before changing the batches, the first step or the reader's verdicts.
     """
 
-    def __init__(self, reader: SampleReader, fetch: str, prefetch: int = PREFETCH_BATCHES) -> None:
+    def __init__(self, reader: SampleReader, fetch: Fetch, prefetch: int = PREFETCH_BATCHES) -> None:
         self.reader, self.fetch, self.prefetch = reader, fetch, prefetch
         self.batches: list[np.ndarray] | np.ndarray = []
         self.served: dict[int, list[int]] = {}
@@ -159,7 +159,7 @@ class BatchSource:
 class TrainSource(BatchSource):
     """Batch `step` of this rank's shard of the epoch's permutation, with crop windows and flips."""
 
-    def __init__(self, reader: SampleReader, fetch: str, world: int, rank: int, batch: int, seed: int,
+    def __init__(self, reader: SampleReader, fetch: Fetch, world: int, rank: int, batch: int, seed: int,
                  min_scale: float, hflip: bool, prefetch: int = PREFETCH_BATCHES) -> None:
         super().__init__(reader, fetch, prefetch)
         self.world, self.rank, self.batch, self.seed = world, rank, batch, seed
@@ -188,7 +188,7 @@ class ValSource(BatchSource):
     """This rank's validation batches (bad files left out) with each batch's crop, (height, width) in `crops`,
     and the resize and center-crop window the torchvision backend uses on each image (data/rect_val.py)."""
 
-    def __init__(self, reader: SampleReader, fetch: str, batches: list[np.ndarray], crops: list[tuple[int, int]],
+    def __init__(self, reader: SampleReader, fetch: Fetch, batches: list[np.ndarray], crops: list[tuple[int, int]],
                  short_side: int, prefetch: int = PREFETCH_BATCHES) -> None:
         super().__init__(reader, fetch, prefetch)
         self.short_side, self.crops = short_side, crops
@@ -198,8 +198,7 @@ class ValSource(BatchSource):
         self.stop_prefetch()
 
     def make(self, step: int) -> tuple:
-        read = getattr(self.reader, self.fetch)
-        picked = [(int(i), read(int(i))) for i in self.batches[step]]
+        picked = [(int(i), self.reader.read(int(i), self.fetch)) for i in self.batches[step]]
         picked = [(i, d) for i, d in picked if d is not None] or [self.reader.first_good(int(self.batches[step][0]),
                                                                                           self.fetch)]
         self.served[step] = [i for i, _ in picked]
@@ -334,7 +333,7 @@ class DaliImageData:
         lowres = self.readers[split].cache.lowres is not None and image_size <= self.cfg.cache.lowres_max_image_size
         return "lowres" if lowres else "encoded"
 
-    def spec(self, train: bool, fetch: str, image_size: int, batch_size: int) -> PipelineSpec:
+    def spec(self, train: bool, fetch: Fetch, image_size: int, batch_size: int) -> PipelineSpec:
         cfg = self.cfg
         return PipelineSpec(train=train, encoded=fetch == "encoded", image_size=image_size, batch_size=batch_size,
                             threads=cfg.workers, device_id=self.device_id, mean=cfg.mean, std=cfg.std,

@@ -8,7 +8,8 @@ the log; a file DALI cannot take as it is (an unusual format) is transcoded once
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from enum import IntEnum
+from typing import Callable, Literal
 
 import numpy as np
 
@@ -18,7 +19,17 @@ from data.layout import Split
 
 log = logging.getLogger(__name__)
 
-UNSEEN, GOOD, BAD = 0, 1, 2
+class FileState(IntEnum):
+    """A file's verdict, kept per sample in a uint8 array."""
+
+    UNSEEN = 0
+    GOOD = 1
+    BAD = 2
+
+
+UNSEEN, GOOD, BAD = FileState.UNSEEN, FileState.GOOD, FileState.BAD
+Fetch = Literal["encoded", "lowres"]
+"""What a sample is read as: its encoded bytes, or its pre-decoded low-resolution pixels."""
 
 
 class NoGoodImagesError(ValueError):
@@ -80,13 +91,16 @@ class SampleReader:
             self.cache.lowres.put(i, pixels)
         return pixels
 
-    def first_good(self, i: int, fetch: str) -> tuple[int, np.ndarray]:
-        """(j, data) for the first index j = i, i+1, ... (wrapping) whose file is good; fetch: encoded|lowres."""
-        read = getattr(self, fetch)
+    def read(self, i: int, fetch: Fetch) -> np.ndarray | None:
+        """Sample i as `fetch` says (None for a bad file)."""
+        return self.lowres(i) if fetch == "lowres" else self.encoded(i)
+
+    def first_good(self, i: int, fetch: Fetch) -> tuple[int, np.ndarray]:
+        """(j, data) for the first index j = i, i+1, ... (wrapping) whose file is good."""
         n = len(self.split)
         for k in range(n):
             j = (i + k) % n
-            data = read(j)
+            data = self.read(j, fetch)
             if data is not None:
                 return j, data
         raise NoGoodImagesError(f"{self.split.folder}: none of the {n} files can be decoded (see the warnings above)")
