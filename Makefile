@@ -33,7 +33,7 @@ $(STAMP): requirements.txt pyproject.toml
 test: setup
 	$(PY) -m pytest tests -q
 
-# Horovod 0.28.1 patched for torch >= 2.1 and built from source (~2-4 min once; the wheel is cached).
+# Horovod 0.28.1 patched for torch >= 2.1 and built from source (built once; the wheel is cached).
 horovod: setup
 	PY=$(PY) scripts/install_horovod.sh
 

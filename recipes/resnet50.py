@@ -74,7 +74,7 @@ class Config:
 
 def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
     """torchvision's ResNet, residual blocks starting as the identity (model.zero_init_residual)."""
-    model = getattr(torchvision.models, cfg.arch)(num_classes=num_classes, zero_init_residual=cfg.zero_init_residual)
+    model = torchvision.models.get_model(cfg.arch, num_classes=num_classes, zero_init_residual=cfg.zero_init_residual)
     if cfg.small_map_gemm:
         use_gemm_for_small_maps(model)
     return model

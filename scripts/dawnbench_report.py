@@ -164,7 +164,7 @@ def hardware_from_run(run: Run) -> Hardware:
     """What the run folder records: the world size, and the device only where dist.backend names it."""
     backend = run.config.get("dist", {}).get("backend", "auto")
     n = run.world_size
-    if backend == "gloo":  # trainer/dist.py: gloo ranks run on the CPU
+    if backend == "gloo":  # trainer/dist/torch_backend.py: gloo ranks run on the CPU
         return Hardware(f"{n} CPU process{'es' * (n != 1)} (gloo)", f"{n}cpu")
     if backend == "nccl":  # one GPU per rank
         return Hardware(f"{n} GPU{'s' * (n != 1)} (NCCL)", f"{n}gpu")

@@ -218,7 +218,7 @@ def write_tree(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_the_checker_finds_a_cycle_through_an_import_inside_a_function(tmp_path):
-    """The shape of the old trainer/dist.py <-> trainer/horovod_backend.py cycle."""
+    """A backend module imported inside a function of the module it imports: a cycle all the same."""
     root = write_tree(tmp_path, {
         "trainer/__init__.py": "",
         "trainer/dist.py": "class Group: ...\n\ndef setup(cfg):\n"

@@ -11,7 +11,7 @@ from recipes.resnet50 import main
 
 def test_synthetic_batches_have_the_phase_size_and_fixed_labels():
     data = build_image_data(DataConfig(backend="synthetic", root="/nowhere"), rank=1, world_size=2, seed=0)
-    assert (data.num_classes, data.train_size) == (NUM_CLASSES, TRAIN_IMAGES)
+    assert (data.num_classes, data.train_size) == (1000, 1_281_167)  # ImageNet-sized epochs
     loader = data.train_loader(24, 6, 0.5)
     assert len(loader) == TRAIN_IMAGES // 2 // 6
     loader.set_epoch(3, start_step=len(loader) - 2)

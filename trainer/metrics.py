@@ -21,7 +21,8 @@ from trainer.config import require
 @dataclass
 class LogConfig:
     dir: str = "runs/default"
-    """Run output folder: config.yaml, metrics.jsonl, TensorBoard events, DAWNBench files, checkpoints."""
+    """Run output folder: config.yaml, metrics.jsonl, TensorBoard events, checkpoints, and task files (the
+    DAWNBench TSV of image recipes)."""
     tensorboard: bool = True
     """Write TensorBoard event files under dir/tensorboard."""
     every_steps: int = 20

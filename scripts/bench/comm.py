@@ -9,7 +9,7 @@ On this box every "link" is loopback memory copies, so time favours dense exchan
 network would; the bytes columns are what the slow links would carry (scripts/netem/ emulates them).
 ratio (JSON) = dense step ms / hitopk step ms.
 
-    PYTHONPATH=. python scripts/bench/comm.py [--quick] [--density 0.01]
+    python -m scripts.bench.comm [--quick] [--density 0.01]
 """
 
 from __future__ import annotations

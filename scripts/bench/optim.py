@@ -7,7 +7,7 @@ without norms or trust ratios. Conv/linear weights decay and get trust ratios; B
 CPU, FusedLARS runs the compiled kernel (kernels/csrc/lars_cpu.cpp) where it builds; the header
 line says which path ran.
 
-    PYTHONPATH=. python scripts/bench/optim.py [--quick] [--device cuda]
+    python -m scripts.bench.optim [--quick] [--device cuda]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ all-gathers one number per rank every N steps. Columns: one quickstart-sized tra
 ratio (JSON) = checksum ms / step ms (one check against one step); `share` = ratio / N, the guard's share of
 training time at dist.check_every_steps = N (default 500).
 
-    PYTHONPATH=. python scripts/bench/replica_guard.py [--quick] [--every 500]
+    python -m scripts.bench.replica_guard [--quick] [--every 500]
 """
 
 from __future__ import annotations

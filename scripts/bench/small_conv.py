@@ -7,7 +7,7 @@ the last stages see 1x1 and 2x2 maps. Two tables: forward + backward of each dis
 the GEMM path (batch 32), and a whole training step (forward, loss, backward) per image size.
 ratio (JSON) = the baseline's step time summed over the sizes / the contender's.
 
-    PYTHONPATH=. python scripts/bench/small_conv.py [--quick] [--threads 1]
+    python -m scripts.bench.small_conv [--quick] [--threads 1]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ bisection step) and kernels.mstopk (the compiled CPU path, or Triton on CUDA). r
 of the exact top-k that mstopk returns; "same as ref" the share of indices equal to the reference's.
 ratio (JSON) = baseline ms / mstopk ms at k = 0.1%.
 
-    PYTHONPATH=. python scripts/bench/topk.py [--quick] [--device cuda]
+    python -m scripts.bench.topk [--quick] [--device cuda]
 """
 
 from __future__ import annotations
