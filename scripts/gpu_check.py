@@ -929,6 +929,7 @@ def run_one(name: str, device_name: str, result_file: str) -> int:
 
 def run_child(name: str, device: str, timeout_s: float) -> tuple[list[Row], dict, float]:
     """One check in a subprocess (its own process group, killed whole on timeout); its output goes to stderr."""
+    # the GPU machine's Python has no install of the repository (see gpu_check.sh): the child imports it from ROOT
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "result.json"

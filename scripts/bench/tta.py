@@ -167,10 +167,9 @@ def launch(cmd: list[str], run_dir: Path) -> float:
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a fresh folder: no earlier run's metrics or checkpoints mixed in
     run_dir.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
     with open(run_dir / "train.log", "w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         tail = "".join((run_dir / "train.log").read_text().splitlines(keepends=True)[-15:])
