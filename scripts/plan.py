@@ -29,7 +29,7 @@ bandwidth / rate) and, for a model it has measured, when backward releases each 
 Paper setting: 16 nodes x 8 V100, 25 Gbit/s between nodes, configs/resnet50_dawnbench.yaml, with the
 published times as cited constants and the V100's compute time per image as a stated assumption.
 
-    PYTHONPATH=. python scripts/plan.py [--config configs/resnet50_dawnbench.yaml] [section.key=value ...]
+    python -m scripts.plan [--config configs/resnet50_dawnbench.yaml] [section.key=value ...]
         [--nodes 16 --gpus-per-node 8 --inter-gbit 25 --intra-gbyte 100 --price 24.48]
         [--calibration runs/scaling/calibration.json]
 """
@@ -44,10 +44,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 # ---------------------------------------------------------------- published figures and stated assumptions
 
@@ -528,7 +524,7 @@ def load_calibration(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise PlanError(f"--calibration {path}: file not found; it is written by scripts/bench/scaling.py "
-                        "(as root: sudo PYTHONPATH=. .venv/bin/python scripts/bench/scaling.py --quick)")
+                        "(as root: sudo .venv/bin/python -m scripts.bench.scaling --quick)")
     try:
         cal = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -25,7 +25,7 @@ ResNet-50 on 2 nodes x 2 ranks at 1 Gbit/s.
 
 Needs root (network namespaces); prints why and a JSON line with "skipped" otherwise.
 
-    sudo PYTHONPATH=. .venv/bin/python scripts/bench/scaling.py [--quick] [--density 0.01] [--out runs/scaling]
+    sudo .venv/bin/python -m scripts.bench.scaling [--quick] [--density 0.01] [--out runs/scaling]
 
 --quick: ResNet-50 only, 2 measured steps (about 4 minutes); full: both models, 5 steps (about 18 minutes).
 """
@@ -45,12 +45,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from scripts.bench.comm import KINDS  # the same five exchanges as the comm bench
+from scripts.bench.common import bench_parser, emit_result, print_table
 
-from scripts.bench.comm import KINDS  # noqa: E402 - the same five exchanges as the comm bench
-from scripts.bench.common import bench_parser, emit_result, print_table  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 LAYOUTS = ((2, 2), (4, 1))  # (nodes, ranks per node)
 RATES = ("1gbit", "200mbit")
@@ -502,7 +500,7 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace, steps: int) -> 
     errors = [abs(c["error"]) for c in comparison.values()]
     print(f"\nbreakdown figure: {out_dir / 'scaling.png'}; calibration for scripts/plan.py: {cal_path}")
     print(f"planner vs emulation: max |error| {max(errors) * 100:.1f}% over {len(errors)} steps (target <= 15%); "
-          f"details: PYTHONPATH=. python scripts/plan.py --calibration {cal_path}")
+          f"details: python -m scripts.plan --calibration {cal_path}")
 
     targets = {}
     for run in runs:  # the issue's targets, ResNet-50 at 1 Gbit/s: exchange >= 10x faster, step >= 1.4x
