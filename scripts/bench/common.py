@@ -2,21 +2,33 @@
 
 Every benchmark prints a table and, as its very last line, one JSON object
 ``{"bench": NAME, "baseline": WHAT, ..., "ratio": X}`` with X measured against the baseline in the
-same run (machines here are shared and noisy; only same-run ratios are comparable).
+same run (machines here are shared and noisy; only same-run ratios are comparable). The same object, with
+the date, the machine, the commit and the command added, is written to ``docs/results/NAME.json``
+(``NAME.quick.json`` for ``--quick``), the files the README's and docs' tables are generated from.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import platform
+import shlex
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 DEFAULT_THREADS = 2  # the CPU box has two cores
+REPO = Path(__file__).resolve().parents[2]
+RESULTS_DIR = REPO / "docs" / "results"
+_FLAGS_THAT_MATTER = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+_run: dict[str, Any] = {}  # what parse_args saw: where and under which name emit_result writes
 
 
 def bench_parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -27,7 +39,78 @@ def bench_parser(name: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                         help=f"torch intra-op CPU threads (default {DEFAULT_THREADS})")
     parser.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda")
+    add_results_option(parser)
     return parser
+
+
+def add_results_option(parser: argparse.ArgumentParser) -> None:
+    """--results-dir: where emit_result writes the result file ('' writes none)."""
+    parser.add_argument("--results-dir", default=str(RESULTS_DIR),
+                        help="write the result JSON here as BENCH.json (BENCH.quick.json with --quick); '' = don't")
+
+
+def record_run(args: argparse.Namespace) -> None:
+    """Remember the parsed arguments of this run for emit_result (parse_args calls it; benches with their own
+    argument handling call it themselves)."""
+    _run.update(results_dir=getattr(args, "results_dir", ""), quick=bool(getattr(args, "quick", False)),
+                threads=getattr(args, "threads", None), device=str(getattr(args, "device", "cpu")),
+                load_at_start=os.getloadavg())
+
+
+def machine() -> dict[str, Any]:
+    """The CPU model, cores, the instruction-set flags that change kernel choices, the GPU (if any) and torch."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {"cpu": model, "cores": os.cpu_count(),
+                            "cpu_flags": [f for f in _FLAGS_THAT_MATTER if f in flags],
+                            "torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def commit() -> str:
+    """HEAD's hash, with '+dirty' when tracked files differ from it ('unknown' outside a git checkout)."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "HEAD")
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_result(result: Mapping[str, Any]) -> Path | None:
+    """Write `result` with its provenance (date, machine, commit, command, load) to the results folder."""
+    folder = _run.get("results_dir", str(RESULTS_DIR))
+    if not folder:
+        return None
+    name = f"{result['bench']}{'.quick' if _run.get('quick') else ''}.json"
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine(), "commit": commit(),
+              "command": shlex.join([Path(sys.executable).name, "-m", _module_name(), *sys.argv[1:]]),
+              "threads": _run.get("threads"), "device": _run.get("device"), "quick": _run.get("quick", False),
+              "load_avg_1min": {"start": _run.get("load_at_start", (None,))[0], "end": os.getloadavg()[0]},
+              "result": dict(result)}
+    path = Path(folder) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def _module_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None else sys.argv[0]
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
@@ -37,6 +120,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
+    record_run(args)
     device = torch.device(args.device)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else platform.processor() or platform.machine())
@@ -85,7 +169,11 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 
 def emit_result(bench: str, baseline: str, ratio: float, **fields: Any) -> dict[str, Any]:
-    """Prints the final one-line JSON object and returns it."""
+    """Prints the final one-line JSON object, writes it to the results folder (with its provenance) and
+    returns it."""
     result = {"bench": bench, "baseline": baseline, **fields, "ratio": round(ratio, 3)}
+    path = write_result(result)
+    if path is not None:
+        print(f"# result written to {path}")
     print(json.dumps(result))
     return result
