@@ -151,6 +151,28 @@ def median_ms(fns: Mapping[str, Callable[[], Any]], repeats: int,
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
+def real_image_batches(count: int, batch: int, size: int, quick: bool = False, seed: int = 0
+                       ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """`count` training batches of real photos, and the number of classes: the ImageNet-like folder's JPEGs
+    (generated if missing, as the data benches do) decoded by torchvision with a random-resized crop to
+    `size` px, flip and normalization, in a fixed order from `seed`."""
+    from torchvision import datasets, transforms  # only the benches that train on photos need them
+
+    from data.imagenet_like import prepare
+    root = prepare(Path(f"datasets/imagenet_like{'_quick' if quick else ''}"), train=1000 if quick else 3000,
+                   val=64)
+    torch.manual_seed(seed)
+    folder = datasets.ImageFolder(str(root / "train"), transforms.Compose([
+        transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+        transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])]))
+    order = torch.randperm(len(folder), generator=torch.Generator().manual_seed(seed))[:count * batch].tolist()
+    batches = []
+    for b in range(count):
+        samples = [folder[i] for i in order[b * batch:(b + 1) * batch]]
+        batches.append((torch.stack([x for x, _ in samples]), torch.tensor([y for _, y in samples])))
+    return batches, len(folder.classes)
+
+
 def _cell(value: Any) -> str:
     if not isinstance(value, float):
         return str(value)
