@@ -1,9 +1,14 @@
-"""Gradient exchange of ResNet-50-sized buckets on 4 gloo processes as 2 nodes x 2 ranks: dense vs sparse.
+"""Gradient exchange during real ResNet training steps on 4 gloo processes as 2 nodes x 2 ranks: dense vs sparse.
 
-Each step is a real backward pass over ResNet-50's 161 parameter tensors (25.6 M gradients; the hooks
-launch 25 MB buckets) followed by the communicator's `finish()`. "compute only" runs the same backward
-with no exchange; comm ms = step ms - compute ms is what the exchange adds. Bytes are what one rank
-sends per step (ring allreduce: 2 (W-1)/W of the buffer), all links and inter-node links only.
+Every rank trains one copy of torchvision's ResNet-18 per exchange kind (same initial weights), each with its
+communicator hooked into autograd as in training: forward and cross-entropy on a batch of real photos (the
+ImageNet-like folder's JPEGs, random-resized crops; each rank its own images), backward (the hooks launch the
+buckets as their gradients are ready), the communicator's `finish()`, then an SGD step (not timed). The kinds
+are interleaved step by step, in an order that rotates every step, so that load from other processes falls
+on every kind alike. "compute only" is the same step with no exchange; comm ms = step ms - compute ms is what
+the exchange adds. `auto` (measure, then choose per bucket) runs where trainer/comm offers it; its
+calibration falls within the untimed warm-up steps. Bytes are what one rank sends per step (ring
+allreduce: 2 (W-1)/W of the buffer), all links and inter-node links only.
 
 On this box every "link" is loopback memory copies, so time favours dense exchanges more than a cloud
 network would; the bytes columns are what the slow links would carry (scripts/netem/ emulates them).
@@ -22,51 +27,64 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 import torchvision
+from torch import nn
 
-from kernels.testing import gradient_like
-from scripts.bench.common import bench_parser, emit_result, parse_args, print_table
+from scripts.bench.common import bench_parser, emit_result, parse_args, print_table, real_image_batches
+from trainer.comm import KINDS as AVAILABLE_KINDS
 from trainer.comm import CommConfig, build_communicator
 from trainer.dist import DistConfig, setup_distributed
 from trainer.testing import run_ranks
 
-WORLD, PER_NODE = 4, 2
-KINDS = {  # name -> comm config overrides (None = compute only)
+WORLD, PER_NODE, ARCH = 4, 2, "resnet18"
+KINDS: dict[str, dict[str, Any] | None] = {  # name -> comm config overrides (None = compute only)
     "compute only": None,
     "dense": {"kind": "dense"},
     "dense fp16": {"kind": "dense", "compression": "fp16"},
     "topk": {"kind": "topk"},
     "hitopk": {"kind": "hitopk"},
 }
+if "auto" in AVAILABLE_KINDS:
+    KINDS["auto"] = {"kind": "auto"}
 
 
-def _rank(rank: int, world: int, steps: int, density: float, arch: str) -> dict[str, dict[str, float]]:
+def _rank(rank: int, world: int, warmup: int, batches: list[list[tuple[torch.Tensor, torch.Tensor]]],
+          classes: int, density: float) -> dict[str, dict[str, float]]:
     """One rank (of trainer.testing.run_ranks, 1 thread each): every kind's median step and mean stats."""
     topo = setup_distributed(DistConfig(ranks_per_node=PER_NODE, timeout_s=600))
-    out = {}
+    runs = {}
     for name, overrides in KINDS.items():
-        model = getattr(torchvision.models, arch)()
-        params = list(model.parameters())
-        grads = [gradient_like(p.shape, seed=WORLD * i + rank) for i, p in enumerate(params)]  # per rank
+        torch.manual_seed(0)  # every kind starts from the same weights on every rank
+        model = getattr(torchvision.models, ARCH)(num_classes=classes)
         comm = None
         if overrides is not None:
             comm = build_communicator(CommConfig(**overrides, density=density, bucket_mb=25.0), model, topo)
-        times, stats = [], []
-        for step in range(steps + 1):  # the first step is warm-up (allocations, kernel build)
+        runs[name] = (model, comm, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    times: dict[str, list[float]] = {name: [] for name in KINDS}
+    stats: dict[str, list[dict[str, float]]] = {name: [] for name in KINDS}
+    names = list(KINDS)
+    for step, (images, labels) in enumerate(batches[rank]):
+        for name in names[step % len(names):] + names[:step % len(names)]:
+            model, comm, optimizer = runs[name]
             dist.barrier()
             start = time.perf_counter()
-            model.zero_grad(set_to_none=True)
-            sum((p * g).sum() for p, g in zip(params, grads)).backward()
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(images), labels).backward()
             step_stats = comm.finish() if comm is not None else {}
             elapsed = time.perf_counter() - start
-            if step:
-                times.append(elapsed)
-                stats.append(step_stats)
-        slowest = torch.tensor([statistics.median(times)])
+            optimizer.step()
+            if step >= warmup:
+                times[name].append(elapsed)
+                stats[name].append(step_stats)
+    out = {}
+    for name in KINDS:
+        slowest = torch.tensor([statistics.median(times[name])])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-        mean = {k: statistics.mean(s[k] for s in stats) for k in stats[0]} if stats and stats[0] else {}
+        numeric = [k for k, v in stats[name][0].items() if isinstance(v, (int, float))]
+        mean = {k: statistics.mean(s[k] for s in stats[name]) for k in numeric}
         out[name] = {"step_ms": slowest.item() * 1e3, **mean}
+    for _, comm, _ in runs.values():
         if comm is not None:
-            comm.detach()  # its hooks would keep it and this model alive through the next kinds
+            comm.detach()
     return out
 
 
@@ -74,22 +92,28 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = bench_parser("comm", __doc__.splitlines()[0])
     parser.add_argument("--density", type=float, default=0.01, help="topk/hitopk density (default 0.01)")
     args = parse_args(parser, argv)
-    steps, arch = (2, "resnet18") if args.quick else (4, "resnet50")
+    steps, batch, size = (2, 4, 32) if args.quick else (6, 8, 64)
+    warmup = max(2, CommConfig().calibration_steps + 2) if "auto" in KINDS else 2
+    per_rank, classes = real_image_batches(WORLD * (warmup + steps), batch, size, quick=args.quick)
+    batches = [per_rank[r::WORLD] for r in range(WORLD)]
     with tempfile.TemporaryDirectory() as tmp:
-        out = run_ranks(_rank, WORLD, tmp, steps, args.density, arch, timeout=3600)[0]
+        out = run_ranks(_rank, WORLD, tmp, warmup, batches, classes, args.density, timeout=3600)[0]
     compute = out["compute only"]["step_ms"]
     rows = []
     for name, r in out.items():
         rows.append([name, r["step_ms"], r["step_ms"] - compute, r.get("wait_s", 0) * 1e3,
                      r.get("bytes_sent", 0) / 2**20, r.get("bytes_inter_node", 0) / 2**20,
                      r.get("select_s", 0) * 1e3, r.get("density", 1.0)])
-    print(f"{arch} gradients, {WORLD} processes = {WORLD // PER_NODE} nodes x {PER_NODE} ranks (gloo, loopback), "
-          f"density {args.density}, median of {steps} steps, slowest rank")
+    n_params = sum(p.numel() for p in getattr(torchvision.models, ARCH)(num_classes=classes).parameters())
+    print(f"{ARCH} ({n_params:,} gradients) training on real photos at {size} px, batch {batch}/rank, {WORLD} "
+          f"processes = {WORLD // PER_NODE} nodes x {PER_NODE} ranks (gloo, loopback), density {args.density}; "
+          f"kinds interleaved step by step, median of {steps} steps after {warmup} warm-up, slowest rank")
     print_table(["exchange", "step ms", "comm ms", "not hidden ms", "MB sent/rank", "inter-node MB/rank",
                  "select ms", "density"], rows)
     dense, hitopk = out["dense"], out["hitopk"]
-    return emit_result("comm", "dense", dense["step_ms"] / hitopk["step_ms"], arch=arch, world=WORLD,
-                       ranks_per_node=PER_NODE, density=args.density,
+    return emit_result("comm", "dense", dense["step_ms"] / hitopk["step_ms"], arch=ARCH, params=n_params,
+                       image_size=size, batch_per_rank=batch, world=WORLD, ranks_per_node=PER_NODE,
+                       density=args.density, steps=steps, warmup_steps=warmup,
                        inter_node_bytes_ratio=round(dense["bytes_inter_node"] / hitopk["bytes_inter_node"], 2),
                        results={k: {m: round(v, 4) for m, v in r.items()} for k, r in out.items()})
 

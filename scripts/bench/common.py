@@ -10,6 +10,7 @@ the date, the machine, the commit and the command added, is written to ``docs/re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -171,6 +172,20 @@ def real_image_batches(count: int, batch: int, size: int, quick: bool = False, s
         samples = [folder[i] for i in order[b * batch:(b + 1) * batch]]
         batches.append((torch.stack([x for x, _ in samples]), torch.tensor([y for _, y in samples])))
     return batches, len(folder.classes)
+
+
+@contextlib.contextmanager
+def cpu_burners(count: int) -> Iterator[None]:
+    """`count` child processes that spin on the CPU while the block runs: a load that the bench itself makes,
+    so a "loaded" figure can be reproduced on a quiet machine."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 def _cell(value: Any) -> str:

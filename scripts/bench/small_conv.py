@@ -111,7 +111,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print_table(["model", "px", "stock ResNet", "small_map_gemm", "speed-up"], steps)
     return emit_result("small_conv", "torchvision ResNet, every convolution through F.conv2d (oneDNN)",
                        total_stock / total_fast, models=list(archs), sizes=list(sizes), threads=args.threads,
-                       step_ms_stock=round(total_stock, 1), step_ms_gemm=round(total_fast, 1))
+                       step_ms_stock=round(total_stock, 1), step_ms_gemm=round(total_fast, 1),
+                       steps=[{"model": arch, "px": px, "stock_ms": round(a, 1), "gemm_ms": round(b, 1)}
+                              for arch, px, a, b, _ in steps],
+                       layer_speedups={"min": round(min(r[5] / r[6] for r in layers), 2),
+                                       "max": round(max(r[5] / r[6] for r in layers), 2)})
 
 
 if __name__ == "__main__":

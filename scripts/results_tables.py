@@ -1,0 +1,255 @@
+"""Writes the results tables of README.md and docs/*.md from the benchmarks' result files in docs/results/.
+
+A table sits between two markers, and everything between them is generated:
+
+    <!-- results:topk -->
+    ...
+    <!-- /results -->
+
+`results:NAME` renders docs/results/NAME.json (written by `python -m scripts.bench.NAME`) as that bench's
+table, with a line naming the file, its date, machine, load and command; `results:summary` is one row per
+result file present. Every number in these tables comes from a result file, so none is copied by hand.
+
+    python -m scripts.results_tables           # rewrite the tables in place
+    python -m scripts.results_tables --check   # exit 1 naming each table that differs from its result file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "docs" / "results"
+BLOCK = re.compile(r"(<!-- results:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+
+
+class ResultsError(ValueError):
+    """A marker names a table that cannot be made (no renderer, or no result file)."""
+
+
+def load(results_dir: Path, bench: str) -> dict[str, Any]:
+    path = results_dir / f"{bench}.json"
+    if not path.exists():
+        raise ResultsError(f"{path}: missing; `python -m scripts.bench.{bench}` writes it")
+    return json.loads(path.read_text())
+
+
+def num(value: float, digits: int = 3) -> str:
+    """`digits` significant digits, thousands separated, no exponent."""
+    if value == 0:
+        return "0"
+    if abs(value) >= 10 ** (digits - 1):
+        return f"{value:,.0f}"
+    return f"{value:.{digits}g}" if abs(value) >= 1e-3 else f"{value:.2e}"
+
+
+def times(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    return ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |",
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
+def machine(record: dict[str, Any]) -> str:
+    m = record["machine"]
+    flags = ", ".join(m.get("cpu_flags", [])) or "no AVX2/AVX-512/AMX"
+    return f"{m['cpu']}, {m['cores']} cores ({flags})"
+
+
+def provenance(bench: str, record: dict[str, Any]) -> str:
+    load = record.get("load_avg_1min") or {}
+    commit = record["commit"][:12] + ("+dirty" if record["commit"].endswith("+dirty") else "")
+    load_text = (f"; 1-min load average {load['start']:.1f} at the start, {load['end']:.1f} at the end"
+                 if load.get("start") is not None else "")
+    return (f"From [`docs/results/{bench}.json`](results/{bench}.json): {record['date'][:16].replace('T', ' ')} "
+            f"UTC, {machine(record)}{load_text}; `{record['command']}` at commit `{commit}`.")
+
+
+def topk(r: dict[str, Any]) -> list[str]:
+    rows = []
+    for key, entry in r["results"].items():
+        source, density = key.split()
+        for threads in ("1t", "2t"):
+            t = entry[threads]
+            rows.append([source, f"{float(density):.1%}", f"{entry['k']:,}", threads[0], num(t["baseline_ms"]),
+                         num(t["ms"]), times(t["ratio"]), f"{entry['recall']:.5f}"])
+    return [f"{r['n']:,} fp32 values ({r['arch']}'s parameter count); torch.topk and MSTopK at the same "
+            f"`torch.set_num_threads`:", "",
+            *table(["gradients", "density", "k", "threads", "torch.topk ms", "MSTopK ms", "speed-up", "recall"],
+                   rows)]
+
+
+def input_pipeline(r: dict[str, Any]) -> list[str]:
+    rows = []
+    for name, e in r["results"].items():
+        rows.append([e.get("label", name), e["output"], num(e["quiet_img_s"]), times(e["quiet_ratio"]),
+                     num(e["loaded_img_s"]), times(e["loaded_ratio"]), num(e["cpu_ms_per_img"])])
+    return [f"{r['images']:,} JPEGs, random-resized crops to {r['image_size']} px; \"loaded\": the bench runs "
+            f"{r['load_procs']} CPU-spinning processes of its own during those epochs:", "",
+            *table(["pipeline", "output", "quiet images/s", "vs (a)", "loaded images/s", "vs (a)", "CPU ms/image"],
+                   rows)]
+
+
+def data_wait(r: dict[str, Any]) -> list[str]:
+    rows = []
+    for cache in ("cold", "warm"):
+        waits = r[f"{cache}_wait_ms"]
+        for mode, label in (("sequential", "(a) sequential external source"), ("prefetch", "(b) prefetch thread")):
+            rows.append([cache, label, num(waits[mode]), times(waits[mode] / waits["sequential"])])
+    return [f"ResNet-18 training steps at {r['image_size']} px, {r['batch']} images per step (a step's compute: "
+            f"{num(r['step_ms'])} ms):", "",
+            *table(["cache", "external source", "data wait ms/step", "vs (a)"], rows)]
+
+
+def comm(r: dict[str, Any]) -> list[str]:
+    compute = r["results"]["compute only"]["step_ms"]
+    rows = [[name, num(e["step_ms"]), num(e["step_ms"] - compute), num(e.get("bytes_sent", 0) / 2**20),
+             num(e.get("bytes_inter_node", 0) / 2**20), f"{e.get('density', 1.0):.3g}"]
+            for name, e in r["results"].items()]
+    return [f"{r['arch']} ({r['params']:,} gradients) on real photos at {r['image_size']} px, {r['world']} gloo "
+            f"processes as {r['world'] // r['ranks_per_node']} nodes x {r['ranks_per_node']} ranks, kinds "
+            f"interleaved step by step; median of {r['steps']} steps, slowest rank:", "",
+            *table(["exchange", "step ms", "comm ms", "MB sent/rank", "inter-node MB/rank", "density"], rows)]
+
+
+def optim(r: dict[str, Any]) -> list[str]:
+    rows = [["per-tensor loop LARS (baseline)", num(r["baseline_ms"]), "1.00x"],
+            [f"FusedLARS ({r['path']})", num(r["ms"]), times(r["ratio"])],
+            ["SGD foreach (floor: no norms)", num(r["sgd_foreach_ms"]), times(r["baseline_ms"] / r["sgd_foreach_ms"])]]
+    return [f"One optimizer step over {r['model']}'s {r['tensors']} parameter tensors:", "",
+            *table(["optimizer", "ms/step", "speed-up vs loop"], rows)]
+
+
+def small_conv(r: dict[str, Any]) -> list[str]:
+    rows = [[s["model"], s["px"], num(s["stock_ms"]), num(s["gemm_ms"]), times(s["stock_ms"] / s["gemm_ms"])]
+            for s in r["steps"]]
+    spread = r.get("layer_speedups")
+    note = (f" Each convolution alone: {times(spread['min'])} to {times(spread['max'])}." if spread else "")
+    return [f"A training step (forward, loss, backward), batch 32, {r['threads']} thread(s).{note}", "",
+            *table(["model", "px", "stock ResNet ms", "small_map_gemm ms", "speed-up"], rows)]
+
+
+def replica_guard(r: dict[str, Any]) -> list[str]:
+    return [*table(["what", "ms"], [["training step (" + r["baseline"] + ")", num(r["step_ms"])],
+                                    ["weight checksum", num(r["checksum_ms"])]]), "",
+            f"Checked every {r['every_steps']} steps, the guard costs {100 * r['share']:.3g}% of training time."]
+
+
+def transformer(r: dict[str, Any]) -> list[str]:
+    rows = [["DDP + Adam (baseline)", num(r["baseline_tokens_per_s"]), "1.00x"],
+            ["recipe, dense", num(r["dense_tokens_per_s"]), times(r["dense_tokens_per_s"] / r["baseline_tokens_per_s"])]]
+    if r["comm"] != "dense":
+        rows.append([f"recipe, {r['comm']}", num(r["recipe_tokens_per_s"]), times(r["ratio"])])
+    return table(["contender", "tokens/s", "vs baseline"], rows)
+
+
+def tta(r: dict[str, Any]) -> list[str]:
+    rows = [[seed, f"{ratio:.3f}"] for seed, ratio in zip(r.get("seeds", []), r.get("ratios", []))]
+    interval = r.get("interval") or r.get("ci90")
+    tail = f"; bootstrap 90% interval {interval[0]:.3f} to {interval[1]:.3f}" if interval else ""
+    return [*table(["fresh seed", "recipe / baseline time to target"], rows), "",
+            f"Median of the paired ratios: **{r['ratio']:.3f}**{tail}."]
+
+
+SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "tta": ("time to accuracy, recipe / tuned torchvision-reference baseline, fresh seeds",
+            lambda r: f"{r['ratio']:.3f} (median of {len(r.get('ratios', []))})"),
+    "topk": ("MSTopK speed-up over torch.topk, gradients of a real training step, k = 0.1%, equal threads",
+             lambda r: f"{r['arch']}: {times(r['ratio_1thread'])} (1 thread), {times(r['ratio_2threads'])} (2), "
+                       f"recall {r['recall_real_gradients']:.4f}"),
+    "input_pipeline": ("input pipeline images/s over torchvision's, quiet / under the bench's own load",
+                       lambda r: f"{times(r['ratio'])} / {times(r['loaded_ratio'])} ({r['results'][r['best']]['output']}); "
+                                 f"DALI on the originals {times(r['results']['dali_files']['quiet_ratio'])} / "
+                                 f"{times(r['results']['dali_files']['loaded_ratio'])}"),
+    "data_wait": ("data wait per step, prefetch thread / sequential, cold cache",
+                  lambda r: times(r["ratio"])),
+    "comm": ("training step with hitopk over dense, 2 x 2 gloo ranks on one box (loopback)",
+             lambda r: f"{times(r['ratio'])} speed-up; {times(r['inter_node_bytes_ratio'])} fewer inter-node bytes"),
+    "optim": ("FusedLARS step over a per-tensor LARS loop", lambda r: times(r["ratio"])),
+    "small_conv": ("ResNet steps with small-map GEMM convolutions over oneDNN's", lambda r: times(r["ratio"])),
+    "replica_guard": ("replica guard's share of training time",
+                      lambda r: f"{100 * r['share']:.3g}% (every {r['every_steps']} steps)"),
+    "transformer": ("Transformer recipe tokens/s over DDP + Adam", lambda r: times(r["ratio"])),
+}
+TABLES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "topk": topk, "input_pipeline": input_pipeline, "data_wait": data_wait, "comm": comm, "optim": optim,
+    "small_conv": small_conv, "replica_guard": replica_guard, "transformer": transformer, "tta": tta}
+
+
+def summary(results_dir: Path) -> str:
+    rows = []
+    for bench, (what, figure) in SUMMARY.items():
+        path = results_dir / f"{bench}.json"
+        if path.exists():
+            record = json.loads(path.read_text())
+            rows.append([what, figure(record["result"]), f"[{bench}](docs/results/{bench}.json)",
+                         f"{record['machine']['cpu']}, {record['machine']['cores']} cores, "
+                         f"{record['date'][:10]}"])
+    if not rows:
+        raise ResultsError(f"{results_dir}: no result files; `make bench` writes them")
+    return "\n".join(table(["what", "result", "file", "machine, date"], rows)) + "\n"
+
+
+def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
+    """The generated text of the block `<!-- results:NAME -->`."""
+    if name == "summary":
+        return summary(results_dir)
+    if name not in TABLES:
+        raise ResultsError(f"results:{name}: no such table (known: summary, {', '.join(TABLES)})")
+    record = load(results_dir, name)
+    return "\n".join([*TABLES[name](record["result"]), "", provenance(name, record)]) + "\n"
+
+
+def regenerate(text: str, results_dir: Path = RESULTS_DIR) -> tuple[str, list[str]]:
+    """`text` with every results block rewritten, and the names of the blocks whose text changed."""
+    stale: list[str] = []
+
+    def replace(match: re.Match) -> str:
+        body = render(match["name"], results_dir)
+        if body != match["body"]:
+            stale.append(match["name"])
+        return match[1] + body + match[4]
+
+    return BLOCK.sub(replace, text), stale
+
+
+def documents(repo: Path = REPO) -> list[Path]:
+    return [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.results_tables", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is stale")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the result files are")
+    parser.add_argument("files", nargs="*", type=Path, help="markdown files (default: README.md and docs/*.md)")
+    args = parser.parse_args(argv)
+    stale_any = False
+    for path in args.files or documents():
+        text = path.read_text()
+        try:
+            new, stale = regenerate(text, args.results_dir)
+        except ResultsError as err:
+            print(f"{path}: {err}", file=sys.stderr)
+            return 2
+        for name in stale:
+            stale_any = True
+            source = args.results_dir / ("*.json" if name == "summary" else f"{name}.json")
+            print(f"{path}: table results:{name} differs from {source}" if args.check
+                  else f"{path}: rewrote results:{name}")
+        if not args.check and new != text:
+            path.write_text(new)
+    if args.check and stale_any:
+        print("run `python -m scripts.results_tables` to regenerate them", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

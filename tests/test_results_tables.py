@@ -1,0 +1,94 @@
+"""The README's and docs' results tables are generated from docs/results/*.json and match them."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from scripts import results_tables
+from scripts.results_tables import REPO, RESULTS_DIR, ResultsError, documents, main, regenerate, render
+
+
+def test_committed_tables_match_their_result_files(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--check"])
+    assert code == 0, capsys.readouterr().out
+
+
+def test_every_result_file_is_shown() -> None:
+    text = "".join(path.read_text() for path in documents())
+    for path in RESULTS_DIR.glob("*.json"):
+        if ".quick" not in path.name:
+            assert f"<!-- results:{path.stem} -->" in text or path.stem in results_tables.SUMMARY, \
+                f"{path.name} has no table in README.md or docs/"
+
+
+def test_readme_has_the_summary_and_links_only_inside_the_repository() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert "<!-- results:summary -->" in readme
+    assert "../" not in readme and not re.search(r"issue\s*#?\d", readme, re.I)
+    assert len(readme.splitlines()) <= 160
+
+
+@pytest.fixture
+def copy(tmp_path: Path) -> tuple[Path, Path]:
+    """A results folder with the real optim and topk files, and a page with their tables and the summary."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for bench in ("optim", "topk"):
+        shutil.copy(RESULTS_DIR / f"{bench}.json", results)
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n\ntext\n\n<!-- results:optim -->\nold\n<!-- /results -->\n\nmiddle\n\n"
+                    "<!-- results:topk -->\n<!-- /results -->\n\n<!-- results:summary -->\n<!-- /results -->\nend\n")
+    return results, page
+
+
+def test_generate_then_check_is_clean_and_text_outside_markers_stays(copy: tuple[Path, Path]) -> None:
+    results, page = copy
+    assert main(["--results-dir", str(results), str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("# Page\n\ntext\n\n<!-- results:optim -->\n") and "\nmiddle\n" in text
+    assert text.endswith("<!-- /results -->\nend\n") and "old" not in text
+    assert main(["--check", "--results-dir", str(results), str(page)]) == 0
+    record = json.loads((results / "optim.json").read_text())
+    assert f"{record['result']['ratio']:.2f}x" in text and record["date"][:10] in text
+
+
+def test_a_changed_number_in_a_result_file_is_detected(copy: tuple[Path, Path],
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    results, page = copy
+    main(["--results-dir", str(results), str(page)])
+    path = results / "topk.json"
+    record = json.loads(path.read_text())
+    record["result"]["ratio_1thread"] += 1.0
+    record["result"]["results"]["real 0.001"]["1t"]["ratio"] += 1.0
+    path.write_text(json.dumps(record))
+    assert main(["--check", "--results-dir", str(results), str(page)]) == 1
+    out = capsys.readouterr().out
+    assert "results:topk" in out and "results:summary" in out and "results:optim" not in out
+
+
+def test_a_hand_edited_figure_in_a_page_is_detected(copy: tuple[Path, Path]) -> None:
+    results, page = copy
+    main(["--results-dir", str(results), str(page)])
+    text = page.read_text()
+    ratio = f"{json.loads((results / 'optim.json').read_text())['result']['ratio']:.2f}x"
+    page.write_text(text.replace(ratio, "9.99x" if ratio != "9.99x" else "1.00x", 1))
+    new, stale = regenerate(page.read_text(), results)
+    assert stale == ["optim"] and new == text
+
+
+def test_unknown_table_and_missing_file_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ResultsError, match="results:nosuch: no such table"):
+        render("nosuch", RESULTS_DIR)
+    with pytest.raises(ResultsError, match=r"optim.json: missing; `python -m scripts.bench.optim`"):
+        render("optim", tmp_path)
+
+
+def test_every_table_renders_from_the_committed_files() -> None:
+    for path in RESULTS_DIR.glob("*.json"):
+        if ".quick" not in path.name and path.stem in results_tables.TABLES:
+            assert f"docs/results/{path.stem}.json" in render(path.stem)
