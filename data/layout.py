@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+import re
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import fsspec
@@ -19,8 +21,18 @@ import numpy as np
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")
 
 PREPARE_HINT = ("prepare it with `make digits` (the embedded default: scikit-learn's handwritten digits), or "
-                "for ImageNet extract ILSVRC2012 into train/<wnid>/*.JPEG and val/<wnid>/*.JPEG (README, "
-                "'Running on a cluster')")
+                "for ImageNet from the official archives with `make prepare-imagenet ARCHIVES=<folder of the "
+                "ILSVRC2012 tars> DATA=<root>` (docs/data-and-cache.md)")
+SORT_HINT = ("sort them into class folders with `python scripts/prepare_imagenet.py --out {root} --devkit "
+             "ILSVRC2012_devkit_t12.tar.gz` (or --val-labels LOC_val_solution.csv)")
+
+# ILSVRC2012 (the ImageNet of the recipes): its class folders are WordNet ids; every class has 50 validation
+# images and between 732 and 1,300 training images.
+IMAGENET_CLASSES, IMAGENET_TRAIN, IMAGENET_VAL = 1000, 1_281_167, 50_000
+IMAGENET_VAL_PER_CLASS, IMAGENET_MIN_TRAIN_PER_CLASS = 50, 732
+WNID = re.compile(r"n\d{8}")
+STAGING = ".prepare"
+"""scripts/prepare_imagenet.py's work folder inside the root (beside train/ and val/, never inside them)."""
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +79,13 @@ def class_folders(root: str | Path, split: str) -> list[str]:
     if not fs.isdir(folder):
         raise DatasetNotFoundError(f"no dataset at {shown} (looked for {split}/<class>/*.JPEG under data.root="
                                    f"{root}); {PREPARE_HINT}")
-    classes = sorted(Path(e["name"]).name for e in fs.ls(folder, detail=True) if e["type"] == "directory")
+    entries = fs.ls(folder, detail=True)
+    classes = sorted(Path(e["name"]).name for e in entries if e["type"] == "directory")
     if not classes:
+        flat = sum(e["type"] != "directory" and has_image_extension(e["name"]) for e in entries)
+        if flat:  # the validation tar extracted as is: every label would be wrong (0.1% top-1 on ImageNet)
+            raise DatasetNotFoundError(f"{shown} holds {flat} images that are not sorted into class folders "
+                                       f"(training would validate at chance level); {SORT_HINT.format(root=root)}")
         raise DatasetNotFoundError(f"{shown} has no class folders; {PREPARE_HINT}")
     return classes
 
@@ -110,3 +127,121 @@ def check_dataset(root: str | Path) -> int:
         raise DatasetNotFoundError(f"{_split_folder(root, '')[2]}: train/ and val/ have different "
                                    f"classes (e.g. {', '.join(missing[:5])})")
     return len(train)
+
+
+@dataclass
+class SplitCounts:
+    """Images per class folder of one split, and the images lying directly in the split folder."""
+
+    per_class: dict[str, int]
+    flat: int = 0
+    examples_flat: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_class.values())
+
+
+def count_split(root: str | Path, split: str) -> SplitCounts:
+    """Images per class of `root/split` (one listing of the split); DatasetNotFoundError if it is missing."""
+    fs, folder, shown = _split_folder(root, split)
+    if not fs.isdir(folder):
+        raise DatasetNotFoundError(f"no {split}/ at {shown}; {PREPARE_HINT}")
+    prefix = folder.rstrip("/") + "/"
+    per_class: Counter[str] = Counter({Path(e["name"]).name: 0 for e in fs.ls(folder, detail=True)
+                                       if e["type"] == "directory"})
+    flat: list[str] = []
+    for path in fs.find(folder):
+        rel = path[len(prefix):] if path.startswith(prefix) else path
+        if not has_image_extension(rel):
+            continue
+        if "/" in rel:
+            per_class[rel.split("/", 1)[0]] += 1
+        else:
+            flat.append(rel)
+    return SplitCounts(dict(per_class), len(flat), sorted(flat)[:3])
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def is_imagenet(classes: list[str]) -> bool:
+    """WordNet-id class folders, about a thousand of them: ILSVRC2012, possibly incomplete."""
+    return len(classes) > 0.9 * IMAGENET_CLASSES and all(WNID.fullmatch(c) for c in classes)
+
+
+def preflight(root: str | Path, expect: str = "auto") -> str:
+    """The launchers' check of a dataset folder before a run: one line on success; DatasetNotFoundError listing
+    every problem found otherwise. `expect`: "imagenet" checks ILSVRC2012's 1,000 classes, 1,281,167 training
+    and 50,000 validation images; "auto" does so when the class folders are WordNet ids; "any" checks only
+    that both splits exist, have the same classes, no empty class and no unsorted images."""
+    if expect not in ("auto", "imagenet", "any"):
+        raise ValueError(f"expect: one of auto, imagenet, any; got {expect!r}")
+    shown = _split_folder(root, "")[2].rstrip("/")
+    fs, base = fsspec.core.url_to_fs(str(root))
+    if not fs.isdir(base):
+        raise DatasetNotFoundError(f"no dataset at {shown}; {PREPARE_HINT}")
+    problems = []
+    if fs.isdir(f"{base.rstrip('/')}/{STAGING}"):
+        problems.append(f"{STAGING}/ is there: a preparation was interrupted; run scripts/prepare_imagenet.py "
+                        f"again with the same arguments to finish it")
+    counts = []
+    for split in ("train", "val"):
+        try:
+            counts.append(count_split(root, split))
+        except DatasetNotFoundError:
+            problems.append(f"no {split}/ folder")
+            counts.append(SplitCounts({}))
+    train, val = counts
+    imagenet = expect == "imagenet" or (expect == "auto" and is_imagenet(sorted(train.per_class)))
+    if val.flat:
+        problems.append(f"val/ holds {val.flat} images outside class folders (e.g. {_some(val.examples_flat, 3)}): "
+                        f"an unsorted validation set scores at chance level; {SORT_HINT.format(root=root)}")
+    if train.flat:
+        problems.append(f"train/ holds {train.flat} images outside class folders (e.g. "
+                        f"{_some(train.examples_flat, 3)}); each image belongs in train/<class>/")
+    only_train = sorted(set(train.per_class) - set(val.per_class))
+    only_val = sorted(set(val.per_class) - set(train.per_class))
+    if only_train and val.per_class:  # (no class folder at all in val/ is said above)
+        problems.append(f"{len(only_train)} classes in train/ have no folder in val/: {_some(only_train)}")
+    if only_val and train.per_class:
+        problems.append(f"{len(only_val)} classes in val/ have no folder in train/: {_some(only_val)}")
+    for name, split_counts in (("train", train), ("val", val)):
+        if not split_counts.per_class and not split_counts.flat and fs.isdir(f"{base.rstrip('/')}/{name}"):
+            problems.append(f"{name}/ has no class folders")
+        empty = sorted(c for c, n in split_counts.per_class.items() if n == 0)
+        if empty:
+            problems.append(f"{len(empty)} class folders of {name}/ hold no images: {_some(empty)}")
+    if imagenet:
+        problems += _imagenet_problems(train, val)
+    what = "ImageNet (ILSVRC2012)" if imagenet else "dataset"
+    if problems:
+        hint = f"\n  ({PREPARE_HINT})" if not train.per_class or not val.per_class else ""
+        raise DatasetNotFoundError(f"{shown}: {what} not ready:\n  " + "\n  ".join(problems) + hint)
+    return (f"{shown}: {what}, {len(train.per_class)} classes, {train.total:,} training and {val.total:,} "
+            f"validation images: ok")
+
+
+def _imagenet_problems(train: SplitCounts, val: SplitCounts) -> list[str]:
+    problems = []
+    bad_names = sorted(c for c in set(train.per_class) | set(val.per_class) if not WNID.fullmatch(c))
+    if bad_names:
+        problems.append(f"{len(bad_names)} class folders are not WordNet ids (n + 8 digits): {_some(bad_names)}")
+    if len(train.per_class) != IMAGENET_CLASSES:
+        problems.append(f"train/ has {len(train.per_class)} class folders, ImageNet has {IMAGENET_CLASSES:,}")
+    if train.total != IMAGENET_TRAIN:
+        short = sorted(c for c, n in train.per_class.items() if 0 < n < IMAGENET_MIN_TRAIN_PER_CLASS)
+        problems.append(f"train/ has {train.total:,} images, ImageNet has {IMAGENET_TRAIN:,} "
+                        f"({IMAGENET_TRAIN - train.total:+,} to go)"
+                        + (f"; classes under ImageNet's smallest ({IMAGENET_MIN_TRAIN_PER_CLASS}): "
+                           + _some([f"{c} ({train.per_class[c]})" for c in short]) if short else ""))
+    if len(val.per_class) != IMAGENET_CLASSES and val.per_class:
+        problems.append(f"val/ has {len(val.per_class)} class folders, ImageNet has {IMAGENET_CLASSES:,}")
+    if val.total != IMAGENET_VAL:
+        problems.append(f"val/ has {val.total:,} images in class folders, ImageNet has {IMAGENET_VAL:,}")
+    off = sorted(c for c, n in val.per_class.items() if n != IMAGENET_VAL_PER_CLASS)
+    if off and val.total:
+        problems.append(f"{len(off)} classes of val/ do not hold {IMAGENET_VAL_PER_CLASS} images (wrongly sorted "
+                        f"or incomplete): " + _some([f"{c} ({val.per_class[c]})" for c in off]))
+    return problems
