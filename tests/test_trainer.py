@@ -14,7 +14,8 @@ from torch import nn
 
 from data import DataConfig, DatasetNotFoundError, build_image_data
 from recipes.resnet50 import Config, main
-from trainer.checkpoint import Checkpointer, CheckpointWriteError, load_verified
+from trainer.checkpoint import (MODEL, SHARED, CheckpointWriter, CheckpointWriteError, checkpoint_dirs,
+                                latest_checkpoint, load_model_state, rank_file)
 from trainer.config import ConfigError, load_config
 from trainer.comm import CommConfig, build_communicator
 from trainer.dist import DistConfig, Liveness, setup_distributed
@@ -89,27 +90,38 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, digits_
     main([*common, f"log.dir={tmp_path / 'straight'}", "train.epochs=3", phases(3)])
     main([*common, f"log.dir={tmp_path / 'split'}", "train.epochs=2", phases(2)])
     main([*common, f"log.dir={tmp_path / 'split'}", "train.epochs=3", phases(3), "--resume"])
-    straight, _ = Checkpointer(tmp_path / "straight" / "checkpoints").load_latest()
-    split, _ = Checkpointer(tmp_path / "split" / "checkpoints").load_latest()
+    straight, _ = latest_checkpoint(tmp_path / "straight")
+    split, _ = latest_checkpoint(tmp_path / "split")
     assert straight["trainer"]["step"] == split["trainer"]["step"] == 12
     for name, value in straight["model"].items():
         assert torch.equal(value, split["model"][name]), name
 
 
+def write_checkpoint(writer: CheckpointWriter, step: int, weights: torch.Tensor) -> None:
+    """One rank's checkpoint, as the Trainer writes it: its files, then the manifest."""
+    writer.write(step, {MODEL: {"w": weights}, SHARED: {"step": step}, rank_file(0): {"rank": 0}}, "attempt")
+    writer.finish(step, "attempt")
+
+
 def test_torn_checkpoint_is_skipped_for_the_previous_one(tmp_path):
-    ckpt = Checkpointer(tmp_path, keep=3)
-    ckpt.save({"step": 1}, 1)
-    newest = ckpt.save({"step": 2}, 2)
+    writer = CheckpointWriter(tmp_path / "checkpoints", 0, 1, keep=3)
+    write_checkpoint(writer, 1, torch.ones(4))
+    write_checkpoint(writer, 2, torch.full((4,), 2.0))
+    newest = tmp_path / "checkpoints" / "step-00000002" / MODEL
     newest.write_bytes(newest.read_bytes()[:-10])  # torn write
-    with pytest.warns(UserWarning, match="truncated"):
-        state, path = ckpt.load_latest()
-    assert state["step"] == 1 and path.name == "ckpt-00000001.pt"
-    flipped = ckpt.save({"step": 3}, 3)
+    with pytest.warns(UserWarning, match=r"step-00000002/model\.pt: truncated"):
+        assert [d.name for d in checkpoint_dirs(tmp_path)] == ["step-00000001"]
+    assert torch.equal(load_model_state(tmp_path / "checkpoints" / "step-00000001")["w"], torch.ones(4))
+    write_checkpoint(writer, 3, torch.full((4,), 3.0))
+    flipped = tmp_path / "checkpoints" / "step-00000003" / rank_file(0)
     data = bytearray(flipped.read_bytes())
     data[10] ^= 0xFF
     flipped.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="checksum mismatch"):
-        load_verified(flipped)
+    with pytest.warns(UserWarning, match="rank-00000.pt: checksum mismatch"):
+        assert [d.name for d in checkpoint_dirs(tmp_path)] == ["step-00000001"]
+    (tmp_path / "checkpoints" / "step-00000001" / "manifest.json").unlink()  # as if killed before the manifest
+    with pytest.warns(UserWarning, match=r"step-00000001: incomplete \(no manifest\.json"):
+        assert checkpoint_dirs(tmp_path) == []
 
 
 def test_missing_dataset_names_where_it_looked(tmp_path):
@@ -140,20 +152,22 @@ def _write_past_a_file_size_limit(folder: str) -> None:
     # RLIMIT_FSIZE makes the kernel refuse writes past 1 MB (EFBIG), as a full disk refuses them (ENOSPC)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-    ckpt = Checkpointer(folder, keep=2)
-    ckpt.save({"step": 1}, 1)
-    with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint .*ckpt-00000002\.pt .*previous "
-                                                   r"checkpoints in .* are intact"):
-        ckpt.save({"step": 2, "weights": torch.zeros(1 << 19)}, 2)  # 2 MB
+    writer = CheckpointWriter(folder, 0, 1, keep=2)
+    write_checkpoint(writer, 1, torch.ones(4))
+    with pytest.raises(CheckpointWriteError, match=r"could not write checkpoint file .*step-00000002/model\.pt "
+                                                   r".*previous checkpoints in .* are intact"):
+        write_checkpoint(writer, 2, torch.zeros(1 << 19))  # 2 MB
 
 
 def test_a_failed_checkpoint_write_leaves_the_previous_one(tmp_path):
-    child = multiprocessing.get_context("spawn").Process(target=_write_past_a_file_size_limit, args=(str(tmp_path),))
+    child = multiprocessing.get_context("spawn").Process(target=_write_past_a_file_size_limit,
+                                                         args=(str(tmp_path / "checkpoints"),))
     child.start()
     child.join(120)
     assert child.exitcode == 0
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-00000001.pt"]  # no temporary file left behind
-    assert load_verified(tmp_path / "ckpt-00000001.pt") == {"step": 1}
+    assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]  # no temporary file left behind
+    assert [d.name for d in checkpoint_dirs(tmp_path)] == ["step-00000001"]  # the torn step 2 has no manifest
+    assert torch.equal(load_model_state(tmp_path / "checkpoints" / "step-00000001")["w"], torch.ones(4))
 
 
 @pytest.mark.parametrize("backend", ["dali", "torchvision"])

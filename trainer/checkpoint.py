@@ -1,66 +1,125 @@
-"""Checkpoints: atomic (temp file, fsync, rename) and self-checking (a SHA-256 trailer).
+"""Checkpoints: one folder per checkpoint, one file per writer, and a manifest that makes them one.
 
-A file is `torch.save` bytes followed by a trailer `MAGIC + sha256(payload)`. A torn write (no trailer)
-or flipped bits (digest mismatch) is detected on load, and the newest *valid* checkpoint is used instead.
-A write that fails (a full disk) removes its temporary file and leaves the older checkpoints as they were.
+    RUN/checkpoints/step-00001234/
+        model.pt          rank 0: the model's state dict, plain tensors (opens with torch.load(weights_only=True))
+        shared.pt         rank 0: optimizer, loss scaler, task, loop position, history, config
+        rank-00000.pt ... each rank its own: communicator state (error-feedback residuals), random generators
+        rank-00000.json   each rank: the SHA-256 and size of the files it wrote (what rank 0 puts in the manifest)
+        manifest.json     rank 0, last, once every rank's files are on disk: step, world size, created, every
+                          file's SHA-256 and size
+
+Each rank writes only its own files and reads only its own rank file and the shared ones back: nothing but the
+small per-rank records passes through rank 0 (a shared filesystem is assumed: every rank sees the same
+RUN/checkpoints). Every file is written atomically (temporary file, fsync, rename), so a reader sees the old
+file or the whole new one. A folder without a valid manifest is incomplete (a run stopped while writing it),
+and a file whose digest differs from the manifest's is torn or altered: either way the folder is skipped with
+a warning and the previous checkpoint is used. A write that fails (a full disk) leaves no temporary file and
+the older checkpoints as they were. Every file opens with torch.load(weights_only=True).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
+import shutil
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-MAGIC = b"\nDAWNCKPT1:"
-_TRAILER = len(MAGIC) + 64
-_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+FORMAT = 2
+"""The layout version in every manifest."""
+MODEL, SHARED, MANIFEST = "model.pt", "shared.pt", "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_LEGACY = re.compile(r"^ckpt-\d{8}\.pt$")
+_CHUNK = 1 << 22
 
 
 class CorruptCheckpointError(ValueError):
-    """The file is truncated or its checksum does not match."""
+    """A checkpoint folder is incomplete (no valid manifest), or one of its files is torn or altered."""
 
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (e.g. the disk is full); the previous checkpoints are untouched."""
 
 
-def save_atomic(state: dict[str, Any], path: Path) -> None:
-    """Write `state` to `path` so that readers see either the old file or the complete new one."""
-    buf = io.BytesIO()
-    torch.save(state, buf)  # in memory first: a full disk fails below, never half-way through pickling
-    payload = buf.getvalue()
+class LegacyCheckpointError(ValueError):
+    """The folder holds only single-file checkpoints of an earlier version, which this version does not read."""
+
+
+def step_dir_name(step: int) -> str:
+    """The folder of the checkpoint taken after global step `step`."""
+    return f"step-{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    """Rank `rank`'s own state file in a checkpoint folder."""
+    return f"rank-{rank:05d}.pt"
+
+
+def _rank_record(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+# ---------------------------------------------------------------- files
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (where the platform allows opening a directory)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, payload: bytes) -> None:
+    """Write `payload` to `path` so that readers see either the old file or the complete new one; on failure
+    (a full disk) the temporary file is removed and a CheckpointWriteError says what was kept."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             f.write(payload)
-            f.write(MAGIC + hashlib.sha256(payload).hexdigest().encode())
             f.flush()
             os.fsync(f.fileno())  # ENOSPC may only surface here (delayed allocation)
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except OSError as e:
-        raise CheckpointWriteError(e.errno, f"could not write checkpoint {path} ({len(payload) / 1e6:.1f} MB): "
-                                            f"{e.strerror or e}; the previous checkpoints in {path.parent} are "
-                                            "intact") from e
+        raise CheckpointWriteError(e.errno, f"could not write checkpoint file {path} ({len(payload) / 1e6:.1f} MB): "
+                                            f"{e.strerror or e}; the previous checkpoints in {path.parent.parent} "
+                                            "are intact") from e
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def load_verified(path: Path) -> dict[str, Any]:
-    """Load a checkpoint written by `save_atomic`, raising CorruptCheckpointError if it is torn or altered."""
-    data = path.read_bytes()
-    payload, trailer = data[:-_TRAILER], data[-_TRAILER:]
-    if len(data) < _TRAILER or not trailer.startswith(MAGIC):
-        raise CorruptCheckpointError(f"{path}: truncated (no checksum trailer)")
-    if hashlib.sha256(payload).hexdigest().encode() != trailer[len(MAGIC):]:
-        raise CorruptCheckpointError(f"{path}: checksum mismatch")
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+def save_file(obj: Any, path: Path) -> dict[str, Any]:
+    """`torch.save` `obj` to `path` atomically; its manifest entry (SHA-256 and size)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)  # in memory first: a full disk fails in write_atomic, never half-way through pickling
+    payload = buf.getvalue()
+    write_atomic(path, payload)
+    return {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def to_host(obj: Any) -> Any:
@@ -75,24 +134,213 @@ def to_host(obj: Any) -> Any:
     return obj
 
 
-class Checkpointer:
-    """Numbered checkpoints in one folder; keeps the newest `keep`."""
+# ---------------------------------------------------------------- reading
 
-    def __init__(self, folder: str | Path, keep: int = 2) -> None:
+
+def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
+    """The folder's manifest; CorruptCheckpointError when it is missing (an incomplete checkpoint) or unreadable."""
+    path = Path(ckpt_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{ckpt_dir}: incomplete (no {MANIFEST}: the run stopped while writing it)") \
+            from None
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path}: unreadable ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "files" not in manifest:
+        raise CorruptCheckpointError(f"{path}: not a checkpoint manifest of format {FORMAT}")
+    return manifest
+
+
+def verify_files(ckpt_dir: Path, manifest: dict[str, Any], names: list[str] | None = None) -> None:
+    """Check `names` (default: every file in the manifest) against their size and SHA-256 in the manifest."""
+    files = manifest["files"]
+    for name in files if names is None else names:
+        if name not in files:
+            raise CorruptCheckpointError(f"{ckpt_dir}: {name} is not in its manifest")
+        path = Path(ckpt_dir) / name
+        if not path.is_file():
+            raise CorruptCheckpointError(f"{path}: missing")
+        if path.stat().st_size != files[name]["bytes"]:
+            raise CorruptCheckpointError(f"{path}: truncated or altered (size {path.stat().st_size}, the manifest "
+                                         f"says {files[name]['bytes']})")
+        if file_sha256(path) != files[name]["sha256"]:
+            raise CorruptCheckpointError(f"{path}: checksum mismatch")
+
+
+def step_dirs(folder: Path) -> list[Path]:
+    """Checkpoint folders in `folder` (RUN/checkpoints), newest first, complete or not, unverified."""
+    if not Path(folder).is_dir():
+        return []
+    found = [p for p in Path(folder).iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), reverse=True)
+
+
+def legacy_files(folder: Path) -> list[Path]:
+    """Single-file checkpoints (ckpt-NNNNNNNN.pt) of an earlier version in `folder`."""
+    return sorted(p for p in Path(folder).iterdir() if _LEGACY.match(p.name)) if Path(folder).is_dir() else []
+
+
+def legacy_error(folder: Path) -> LegacyCheckpointError:
+    found = legacy_files(folder)
+    return LegacyCheckpointError(
+        f"{folder} holds single-file checkpoints of an earlier version ({found[-1].name}, ...), which this version "
+        "does not read; it writes checkpoint folders (step-NNNNNNNN/ with a manifest). Start a fresh run "
+        "(train.resume=false archives them under log.dir/previous/)")
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The complete, verified checkpoints of a run (RUN/checkpoints/step-*), newest first. A folder without a
+    valid manifest, or with a file whose size or digest differs from the manifest's, is skipped with a warning.
+    Raises LegacyCheckpointError when the run holds only checkpoints of the earlier single-file format."""
+    folder = Path(run_dir) / "checkpoints"
+    good = []
+    for ckpt_dir in step_dirs(folder):
+        try:
+            verify_files(ckpt_dir, read_manifest(ckpt_dir))
+            good.append(ckpt_dir)
+        except CorruptCheckpointError as e:
+            warnings.warn(f"skipping checkpoint: {e}", stacklevel=2)
+    if not good and legacy_files(folder):
+        raise legacy_error(folder)
+    return good
+
+
+def load_file(ckpt_dir: Path, name: str, manifest: dict[str, Any] | None = None, verify: bool = True) -> Any:
+    """One file of a checkpoint, checked against the manifest first (unless `verify` is False: the caller has
+    checked it), loaded on the CPU with torch.load(weights_only=True)."""
+    if verify:
+        verify_files(ckpt_dir, manifest if manifest is not None else read_manifest(ckpt_dir), [name])
+    return torch.load(Path(ckpt_dir) / name, map_location="cpu", weights_only=True)
+
+
+def load_model_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """The model's state dict of a checkpoint folder (checked against its manifest), via
+    torch.load(weights_only=True)."""
+    return load_file(Path(ckpt_dir), MODEL)
+
+
+def read_checkpoint(ckpt_dir: Path) -> dict[str, Any]:
+    """A whole checkpoint in one dict, for tools and tests (a resuming rank reads only its own part): the
+    shared state's keys, `model`, `ranks` (every rank file's state, by rank) and `manifest`."""
+    manifest = read_manifest(ckpt_dir)
+    verify_files(ckpt_dir, manifest)
+    state = load_file(ckpt_dir, SHARED, manifest, verify=False)
+    state["model"] = load_file(ckpt_dir, MODEL, manifest, verify=False)
+    state["ranks"] = [load_file(ckpt_dir, rank_file(r), manifest, verify=False) for r in range(manifest["world_size"])]
+    state["manifest"] = manifest
+    return state
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[dict[str, Any], Path] | None:
+    """`read_checkpoint` of the run's newest verified checkpoint, with its folder; None when it has none."""
+    found = checkpoint_dirs(run_dir)
+    return (read_checkpoint(found[0]), found[0]) if found else None
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write_rank_files(ckpt_dir: Path, files: dict[str, Any], rank: int, token: str) -> None:
+    """This rank's files of one checkpoint, then its record of them (rank-NNNNN.json: digests and sizes, and
+    the writing attempt's `token`, so a record a killed attempt left in the same folder is never mistaken
+    for this one's). A failure is recorded too, so that rank 0 stops waiting, and raised."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        entries = {name: save_file(obj, ckpt_dir / name) for name, obj in files.items()}
+    except CheckpointWriteError as e:
+        with_error = {"rank": rank, "token": token, "error": str(e)}
+        try:
+            write_atomic(ckpt_dir / _rank_record(rank), json.dumps(with_error).encode())
+        except CheckpointWriteError:
+            pass  # the disk is full: rank 0 times out instead
+        raise
+    write_atomic(ckpt_dir / _rank_record(rank), json.dumps({"rank": rank, "token": token, "files": entries}).encode())
+
+
+def collect_rank_records(ckpt_dir: Path, world_size: int, token: str, timeout_s: float) -> dict[str, Any]:
+    """Every rank's file entries for the manifest, waiting up to `timeout_s` for ranks still writing."""
+    files: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    for rank in range(world_size):
+        path = ckpt_dir / _rank_record(rank)
+        while True:
+            try:
+                record = json.loads(path.read_text())
+            except (OSError, ValueError):
+                record = None
+            if record is not None and record.get("token") == token:
+                break
+            if time.monotonic() > deadline:
+                raise CheckpointWriteError(0, f"rank {rank} did not finish writing its part of {ckpt_dir} within "
+                                              f"{timeout_s:.0f}s; the previous checkpoints are intact")
+            time.sleep(0.05)
+        if "error" in record:
+            raise CheckpointWriteError(0, f"rank {rank} could not write its part of {ckpt_dir}: {record['error']}")
+        files.update(record["files"])
+    return files
+
+
+def write_manifest(ckpt_dir: Path, step: int, world_size: int, files: dict[str, Any]) -> None:
+    """The manifest, written last: from here on the folder is a checkpoint."""
+    manifest = {"format": FORMAT, "step": step, "world_size": world_size,
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "files": files}
+    write_atomic(ckpt_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+
+
+def prune(folder: Path, keep: int) -> None:
+    """Keep the `keep` newest checkpoints that have a manifest; remove every other step folder (older ones,
+    and incomplete or newer ones a stopped attempt left: the run writes its steps in order) and temporary
+    files."""
+    complete = [d for d in step_dirs(folder) if (d / MANIFEST).is_file()]
+    kept = set(complete[:keep])
+    for d in step_dirs(folder):
+        if d not in kept:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+class CheckpointWriter:
+    """Writes this rank's part of checkpoints into RUN/checkpoints, now or on a background thread; rank 0 also
+    writes the manifest once every rank's record is there, and prunes to the newest `keep`."""
+
+    def __init__(self, folder: str | Path, rank: int, world_size: int, keep: int = 2,
+                 wait_timeout_s: float = 600.0) -> None:
         self.folder = Path(folder)
-        self.keep = keep
+        self.rank, self.world_size, self.keep = rank, world_size, keep
+        self.wait_timeout_s = wait_timeout_s
         self._writer: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
 
-    def save_in_background(self, state: dict[str, Any], step: int) -> None:
-        """Snapshot `state` into host memory now and write it on a background thread, so training goes on
-        while the file is pickled, hashed and synced. One write at a time: this first waits for the previous
-        one and raises its CheckpointWriteError, if it failed."""
+    def write(self, step: int, files: dict[str, Any], token: str) -> Path:
+        """This rank's `files` of checkpoint `step` (file name → object); returns the folder. The folder becomes
+        a checkpoint only when `finish` (rank 0) writes its manifest."""
+        ckpt_dir = self.folder / step_dir_name(step)
+        write_rank_files(ckpt_dir, files, self.rank, token)
+        return ckpt_dir
+
+    def finish(self, step: int, token: str) -> Path:
+        """Rank 0, once every rank wrote its part (or while they do: it waits for their records): the manifest,
+        then pruning."""
+        ckpt_dir = self.folder / step_dir_name(step)
+        files = collect_rank_records(ckpt_dir, self.world_size, token, self.wait_timeout_s)
+        write_manifest(ckpt_dir, step, self.world_size, files)
+        prune(self.folder, self.keep)
+        return ckpt_dir
+
+    def write_in_background(self, step: int, files: dict[str, Any], token: str) -> None:
+        """Snapshot `files` into host memory now and write them (and, on rank 0, the manifest once every rank's
+        record is there) on a background thread. One write at a time: this first waits for the previous one
+        and raises its CheckpointWriteError, if it failed."""
         self.wait()
-        snapshot = to_host(state)
+        snapshot = to_host(files)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        self._pending = self._writer.submit(self.save, snapshot, step)
+        self._pending = self._writer.submit(self._write_and_finish, step, snapshot, token)
+
+    def _write_and_finish(self, step: int, files: dict[str, Any], token: str) -> None:
+        self.write(step, files, token)
+        if self.rank == 0:
+            self.finish(step, token)
 
     def wait(self) -> None:
         """Wait for a background write; raise its error, if any, as a CheckpointWriteError (the caller stops
@@ -107,29 +355,3 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - e.g. a pickling error or MemoryError in the writer thread
             raise CheckpointWriteError(0, f"the background checkpoint write failed: {type(e).__name__}: {e}; the "
                                           f"previous checkpoints in {self.folder} are intact") from e
-
-    def paths(self) -> list[Path]:
-        """Existing checkpoints, newest first."""
-        if not self.folder.is_dir():
-            return []
-        found = [p for p in self.folder.iterdir() if _NAME.match(p.name)]
-        return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)), reverse=True)
-
-    def save(self, state: dict[str, Any], step: int) -> Path:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for stale in self.folder.glob(".ckpt-*.tmp*"):  # left by a writer that was killed mid-write
-            stale.unlink(missing_ok=True)
-        path = self.folder / f"ckpt-{step:08d}.pt"
-        save_atomic(state, path)
-        for old in self.paths()[self.keep:]:
-            old.unlink(missing_ok=True)
-        return path
-
-    def load_latest(self) -> tuple[dict[str, Any], Path] | None:
-        """The newest checkpoint that verifies; corrupt ones are reported and skipped."""
-        for path in self.paths():
-            try:
-                return load_verified(path), path
-            except CorruptCheckpointError as e:
-                warnings.warn(f"skipping checkpoint: {e}", stacklevel=2)
-        return None

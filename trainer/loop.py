@@ -6,11 +6,14 @@ during backward, waited on in `train_step`), not by DDP, so that the sparse comm
 dense one by config. DAWNBench counts total wall-clock time, so evaluation and checkpointing are inside
 the clock.
 
-Reliability (README "Reliability"): checkpoints carry every rank's state (RNG, communicator residuals) and
-the position inside the epoch, so a run killed anywhere resumes where its newest checkpoint was taken and,
-with `train.deterministic`, ends bitwise equal to an uninterrupted run; torchrun's restarts resume on
-their own (`train.resume: auto`). Non-finite gradients never reach the weights: the loss scaler skips
-and counts such steps, and without one the run stops naming the step.
+Reliability (docs/reliability.md): a checkpoint is a folder in which every rank writes its own state (RNG,
+communicator residuals) and rank 0 the shared state (trainer/checkpoint.py), with the position inside the
+epoch, so a run killed anywhere resumes where its newest checkpoint was taken and, with
+`train.deterministic`, ends bitwise equal to an uninterrupted run; torchrun's restarts resume on their own
+(`train.resume: auto`), also on a different number of ranks. SIGTERM or SIGUSR1 (a preemption notice) makes
+every rank finish its step, write a checkpoint together and exit with PREEMPTED_EXIT_CODE, which torchrun
+restarts and Slurm can requeue. Non-finite gradients never reach the weights: the loss scaler skips and
+counts such steps, and without one the run stops naming the step.
 """
 
 from __future__ import annotations
@@ -18,25 +21,49 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
+import sys
+import threading
 import time
+import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Protocol
+from typing import Any, Callable, Iterator, Literal, Protocol
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from trainer.checkpoint import Checkpointer, CheckpointWriteError
+from trainer.checkpoint import (MODEL, SHARED, CheckpointWriter, CheckpointWriteError, CorruptCheckpointError,
+                                legacy_error, legacy_files, load_file, rank_file, read_manifest, step_dirs,
+                                verify_files)
 from trainer.comm import Communicator
 from trainer.config import require, to_dict
 from trainer.dist import ReplicaGuard, Topology, all_reduce_sum, broadcast_flag, broadcast_module
 from trainer.metrics import LogConfig, MetricsLogger
 from trainer.optim import set_lr_momentum
 from trainer.precision import autocast, build_grad_scaler, resolve_amp
-from trainer.rng import rng_state, set_rng_state
+from trainer.rng import rng_state, seed_rank, set_rng_state
 from trainer.schedules import Phase, ScheduleConfig, build_schedule
 from trainer.task import Task
+
+PREEMPTED_EXIT_CODE = 75
+"""The exit status after a stop signal and its checkpoint: EX_TEMPFAIL of sysexits.h ("try again later").
+torchrun --max-restarts restarts on any non-zero status; Slurm requeues it with RequeueExit=75 or a batch
+script that runs `scontrol requeue` on it (docs/reliability.md)."""
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def holds_tensors(value: Any) -> bool:
+    """Whether a state entry holds tensors (nested dicts, lists, tuples)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(holds_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_tensors(v) for v in value)
+    return False
 
 
 @dataclass
@@ -80,6 +107,13 @@ class TrainConfig:
     fp16 overflow, which one or two skips fix)."""
     threads: int = 0
     """torch CPU threads per rank; 0 = leave the launcher's setting (torchrun sets 1 per rank)."""
+    preempt_grace_s: float = 25.0
+    """Seconds between SIGTERM/SIGUSR1 and the forced exit: the ranks finish their step, write a checkpoint
+    together and exit with status 75 (restartable); a rank still running after this many seconds exits at
+    once with that status, without a checkpoint (keep it below the platform's notice, e.g. 30 s)."""
+    preempt_check_every_steps: int = 1
+    """How often the ranks agree whether one of them was signalled: a one-number all-reduce (and a host sync)
+    at every this many step ends."""
 
     def __post_init__(self) -> None:
         require(self.epochs > 0, f"train.epochs: must be > 0, got {self.epochs}")
@@ -89,6 +123,8 @@ class TrainConfig:
                 "train.max_steps_per_epoch, train.checkpoint_every_epochs and train.checkpoint_every_steps must be "
                 ">= 0, train.keep_checkpoints > 0")
         require(self.max_skipped_steps > 0, f"train.max_skipped_steps: must be > 0, got {self.max_skipped_steps}")
+        require(self.preempt_grace_s > 0 and self.preempt_check_every_steps > 0,
+                "train.preempt_grace_s and train.preempt_check_every_steps must be > 0")
 
     def should_resume(self) -> bool:
         """Whether this start resumes: asked for, or (auto) a torchrun restart after a rank failed."""
@@ -151,6 +187,31 @@ def timed_next(batches: Iterator[Any]) -> tuple[Any, float]:
     return batch, time.perf_counter() - start
 
 
+class ProgressLines:
+    """The progress bar's stand-in where output goes to a file: one line every `every` steps, e.g.
+    `step 120/1000 (12%) 3.1 steps/s, 4m 44s left  epoch=1 loss=2.310 lr=0.1`."""
+
+    def __init__(self, total: int, initial: int, every: int) -> None:
+        self.total, self.n, self.every = total, initial, every
+        self.start, self.start_n = time.perf_counter(), initial
+        self.postfix = ""
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n % self.every == 0 or self.n == self.total:
+            rate = (self.n - self.start_n) / max(1e-9, time.perf_counter() - self.start)
+            left = (self.total - self.n) / rate if rate > 0 else 0.0
+            minutes, seconds = divmod(int(left), 60)
+            print(f"step {self.n}/{self.total} ({100 * self.n / max(1, self.total):.0f}%) {rate:.3g} steps/s, "
+                  f"{minutes}m {seconds:02d}s left  {self.postfix}".rstrip(), flush=True)
+
+    def set_postfix(self, **values: Any) -> None:
+        self.postfix = " ".join(f"{k}={v}" for k, v in values.items())
+
+    def close(self) -> None:
+        pass
+
+
 class Trainer:
     """Runs the schedule's phases over a `Task`; all training state lives here and is checkpointable.
 
@@ -173,7 +234,14 @@ class Trainer:
         # with the scaler's `found_inf` tensor set on it during the call, which the hook reads (the one sync).
         self._stepped = False
         self.optimizer.register_step_post_hook(self._on_optimizer_step)
-        self.checkpointer = Checkpointer(Path(cfg.log.dir) / "checkpoints", cfg.train.keep_checkpoints)
+        self.writer = CheckpointWriter(Path(cfg.log.dir) / "checkpoints", topo.rank, topo.world_size,
+                                       cfg.train.keep_checkpoints)
+        self.token = ""
+        """This attempt's mark on its checkpoint records (set in `fit`, equal on every rank)."""
+        self.last_checkpoint_step = -1
+        self.preempt_signal: int | None = None
+        """The stop signal this rank received (SIGTERM, SIGUSR1), if any."""
+        self.preempted_ranks = 0
         # State (checkpointed): next epoch and the steps of it already done, global step, wall-clock seconds
         # so far, eval history, target time, steps the loss scaler skipped.
         self.epoch, self.step_in_epoch, self.step, self.elapsed_s = 0, 0, 0, 0.0
@@ -185,43 +253,116 @@ class Trainer:
 
     # ------------------------------------------------------------ state
 
-    def state_dict(self, comm_state: dict, rng_states: list[dict]) -> dict:
-        """Everything needed to resume. Per-rank parts come gathered (collectives, on rank 0): `comm_state`
-        from `Communicator.gather_state()`, `rng_states` one entry per rank. Model and optimizer are rank
-        0's: identical on every rank (averaged gradients), BatchNorm statistics broadcast before saving."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict(), "comm": comm_state, "task": self.task.state_dict(),
-                "trainer": {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "step": self.step,
+    def shared_state(self) -> dict:
+        """Rank 0's part of a checkpoint besides the model: what is equal on every rank (the optimizer's state,
+        from averaged gradients), the loop's position (also in samples: a resume on another world size
+        continues the data order), and the communicator's plain entries (its tensors are per rank)."""
+        comm = self.comm.state_dict()
+        batch = self.schedule.phase(min(self.epoch, self.train_cfg.epochs - 1)).batch_size
+        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "task": self.task.state_dict(),
+                "trainer": {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                            "samples_in_epoch": self.step_in_epoch * batch, "step": self.step,
                             "elapsed_s": self.elapsed_s, "history": self.history,
-                            "time_to_target_s": self.time_to_target_s, "skipped_steps": self.skipped_steps},
-                "rng": rng_states, "config": self.run_config}
+                            "time_to_target_s": self.time_to_target_s, "skipped_steps": self.skipped_steps,
+                            "world_size": self.topo.world_size},
+                "comm_shared": {k: v for k, v in comm.items() if not holds_tensors(v)},
+                "comm_per_rank": sorted(k for k, v in comm.items() if holds_tensors(v)),
+                "config": self.run_config}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` returned, this rank's RNG entry included."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.comm.load_gathered_state(state["comm"])
-        self.task.load_state_dict(state.get("task", {}))
-        t = state["trainer"]
-        self.epoch, self.step_in_epoch, self.step = t["epoch"], t.get("step_in_epoch", 0), t["step"]
-        self.elapsed_s, self.history, self.time_to_target_s = t["elapsed_s"], t["history"], t["time_to_target_s"]
-        self.skipped_steps = t.get("skipped_steps", 0)
-        rng = state["rng"]  # one entry per rank (a dict in checkpoints older than per-rank RNG)
-        set_rng_state(rng[self.topo.rank] if isinstance(rng, list) else rng, self.topo.device)
+    def checkpoint_files(self) -> dict[str, Any]:
+        """This rank's files of a checkpoint: its own state; on rank 0 also the model and the shared state."""
+        files: dict[str, Any] = {rank_file(self.topo.rank): {
+            "rank": self.topo.rank, "world_size": self.topo.world_size, "comm": self.comm.state_dict(),
+            "rng": rng_state(self.topo.device)}}
+        if self.topo.is_main:
+            files[MODEL] = self.model.state_dict()
+            files[SHARED] = self.shared_state()
+        return files
 
     def maybe_resume(self) -> str | None:
-        """When resuming (train.resume), load the newest valid checkpoint (rank 0 reads, broadcasts)."""
+        """When resuming (train.resume): the newest checkpoint whose manifest and files verify on every rank.
+        Each rank checks and reads only the model, the shared state and its own rank file; a checkpoint one
+        rank finds torn is skipped by all of them."""
         if not self.train_cfg.should_resume():
             return None
-        found = self.checkpointer.load_latest() if self.topo.is_main else None
-        found = (found[0], str(found[1])) if found else None
-        if self.topo.distributed:
-            found = self.topo.world.broadcast_object(found, src=0)
-        if found is None:
-            return None
-        self.load_state_dict(found[0])
-        return found[1]
+        folder = self.writer.folder
+        names = [d.name for d in step_dirs(folder)] if self.topo.is_main else None
+        if self.topo.distributed:  # the same candidates on every rank, even if a listing races a writer
+            names = self.topo.world.broadcast_object(names, src=0)
+        for name in names:
+            ckpt_dir = folder / name
+            problem, manifest = "", None
+            try:
+                manifest = read_manifest(ckpt_dir)
+                mine = [MODEL, SHARED] + ([rank_file(self.topo.rank)] if self.topo.rank < manifest["world_size"]
+                                          else [])
+                verify_files(ckpt_dir, manifest, mine)
+            except CorruptCheckpointError as e:
+                problem = str(e)
+            problems = self.topo.world.gather_object(problem) if self.topo.distributed else [problem]
+            problem = next((p for p in problems if p), "") if self.topo.is_main else None
+            if self.topo.distributed:
+                problem = self.topo.world.broadcast_object(problem, src=0)
+            if problem:
+                if self.topo.is_main:
+                    warnings.warn(f"skipping checkpoint: {problem}", stacklevel=2)
+                    print(f"skipping checkpoint: {problem}", flush=True)
+                continue
+            self.load_checkpoint(ckpt_dir, manifest)
+            return str(ckpt_dir)
+        if legacy_files(folder):
+            raise legacy_error(folder)
+        return None
+
+    def load_checkpoint(self, ckpt_dir: Path, manifest: dict) -> None:
+        """Restore a verified checkpoint on this rank. On another world size than the one that wrote it, the
+        model, optimizer, loss scaler and position (in samples) are restored, the communicator's per-rank
+        tensors (error-feedback residuals) are dropped, and ranks without a saved state seed their generators
+        from train.seed; rank 0 warns saying exactly that."""
+        self.model.load_state_dict(load_file(ckpt_dir, MODEL, verify=False))
+        shared = load_file(ckpt_dir, SHARED, verify=False)
+        self.optimizer.load_state_dict(shared["optimizer"])
+        self.scaler.load_state_dict(shared["scaler"])
+        self.task.load_state_dict(shared["task"])
+        t = shared["trainer"]
+        self.epoch, self.step_in_epoch, self.step = t["epoch"], t["step_in_epoch"], t["step"]
+        self.elapsed_s, self.history, self.time_to_target_s = t["elapsed_s"], t["history"], t["time_to_target_s"]
+        self.skipped_steps = t["skipped_steps"]
+        saved_world, rank = manifest["world_size"], self.topo.rank
+        mine = load_file(ckpt_dir, rank_file(rank), verify=False) if rank < saved_world else None
+        if saved_world == self.topo.world_size:
+            self.comm.load_state_dict(mine["comm"])
+            set_rng_state(mine["rng"], self.topo.device)
+            return
+        fresh = self.comm.state_dict()
+        fresh.update(shared["comm_shared"])
+        self.comm.load_state_dict(fresh)
+        if mine is not None:
+            set_rng_state(mine["rng"], self.topo.device)
+        else:
+            seed_rank(self.train_cfg.seed, rank, self.step)
+        batch = self.schedule.phase(min(self.epoch, self.train_cfg.epochs - 1)).batch_size
+        self.step_in_epoch, rest = divmod(t["samples_in_epoch"], batch)
+        if self.topo.is_main:
+            self.warn_world_size_changed(ckpt_dir, manifest, shared, batch, rest)
+
+    def warn_world_size_changed(self, ckpt_dir: Path, manifest: dict, shared: dict, batch: int, rest: int) -> None:
+        """Rank 0's account of a resume on another number of ranks: what was kept, dropped and re-seeded."""
+        saved, world = manifest["world_size"], self.topo.world_size
+        rank_bytes = sum(manifest["files"][rank_file(r)]["bytes"] for r in range(saved))
+        dropped = shared["comm_per_rank"]
+        comm = (f"dropped the communicator's per-rank state {dropped} (error-feedback residuals) of all {saved} "
+                f"ranks ({rank_bytes / 1e6:.2f} MB of rank files): every rank starts with zero residuals"
+                if dropped else "the communicator had no per-rank tensors to drop")
+        rng = (f"ranks {saved}-{world - 1} seeded their random generators from train.seed, ranks 0-{saved - 1} "
+               "restored theirs" if world > saved else "ranks 0-{} restored their random generators".format(world - 1))
+        position = (f"data position kept: sample {shared['trainer']['samples_in_epoch']} of epoch {self.epoch} = "
+                    f"step {self.step_in_epoch} at global batch {batch}")
+        if rest:
+            position += f" (the last {rest} samples of the unfinished batch are skipped)"
+        warnings.warn(f"resuming {ckpt_dir}, written by {saved} ranks, on {world} ranks: model, optimizer, loss "
+                      f"scaler and step {self.step} restored; {comm}; {rng}; {position}", stacklevel=2)
 
     def should_checkpoint_step(self) -> bool:
         """Every train.checkpoint_every_steps optimizer steps (never when 0)."""
@@ -233,45 +374,108 @@ class Trainer:
         every, every_steps = self.train_cfg.checkpoint_every_epochs, self.train_cfg.checkpoint_every_steps
         return (bool(every) and self.epoch % every == 0) or (last and bool(every or every_steps))
 
-    def checkpoint(self) -> None:
-        """Collective: rank 0 writes every rank's state; if it cannot (a full disk), all ranks stop together.
-        The seconds it takes on the training thread are counted in `time/checkpoint_s` (they are inside the
+    def checkpoint(self, background: bool | None = None) -> None:
+        """Collective: every rank writes its own files of the checkpoint, then rank 0 the manifest; if any rank
+        cannot (a full disk), all ranks stop together with the previous checkpoints intact. In the background
+        (train.checkpoint_in_background, unless `background` says otherwise) each rank snapshots its state to
+        host memory and a thread writes it; rank 0's thread writes the manifest once every rank's record is
+        there. The seconds on the training thread are counted in `time/checkpoint_s` (inside the
         time-to-accuracy clock)."""
         start = time.perf_counter()
+        background = self.train_cfg.checkpoint_in_background if background is None else background
         self.elapsed_s = start - self._clock
         broadcast_module(self.model, self.topo, buffers_only=True)
-        comm_state = self.comm.gather_state()  # every rank's error-feedback residuals, on rank 0
-        rng = rng_state(self.topo.device)
-        rng_states = self.topo.world.gather_object(rng) if self.topo.distributed else [rng]
         error = ""
-        if self.topo.is_main:
-            try:
-                state = self.state_dict(comm_state, rng_states)
-                if self.train_cfg.checkpoint_in_background:
-                    self.checkpointer.save_in_background(state, self.step)
-                else:
-                    self.checkpointer.save(state, self.step)
-            except CheckpointWriteError as e:
-                error = str(e)
+        try:
+            if background:
+                self.writer.write_in_background(self.step, self.checkpoint_files(), self.token)
+            else:
+                self.writer.wait()
+                self.writer.write(self.step, self.checkpoint_files(), self.token)
+        except CheckpointWriteError as e:
+            error = str(e)
         self.raise_if_checkpoint_failed(error)
+        if not background:
+            error = ""
+            if self.topo.is_main:
+                try:
+                    self.writer.finish(self.step, self.token)
+                except CheckpointWriteError as e:
+                    error = str(e)
+            self.raise_if_checkpoint_failed(error)
+        self.last_checkpoint_step = self.step
         self.checkpoint_s += time.perf_counter() - start
 
     def wait_for_checkpoints(self) -> None:
-        """Collective: wait for a background checkpoint write; all ranks stop together if it failed."""
+        """Collective: wait for a background checkpoint write; all ranks stop together if one failed."""
         error = ""
-        if self.topo.is_main:
-            try:
-                self.checkpointer.wait()
-            except CheckpointWriteError as e:
-                error = str(e)
+        try:
+            self.writer.wait()
+        except CheckpointWriteError as e:
+            error = str(e)
         self.raise_if_checkpoint_failed(error)
 
     def raise_if_checkpoint_failed(self, error: str) -> None:
-        if broadcast_flag(bool(error), self.topo):  # the others would otherwise wait in the next collective
-            raise CheckpointWriteError(f"step {self.step}: {error}; stopping (free space, or point log.dir "
-                                       "elsewhere, then resume)" if error else
-                                       f"step {self.step}: rank 0 could not write the checkpoint (its error "
-                                       "says why); stopping with the previous checkpoints intact")
+        """Collective: stop every rank if any rank's `error` is set (the others would otherwise wait in the
+        next collective)."""
+        (failed,) = all_reduce_sum([1.0 if error else 0.0], self.topo)
+        if failed:
+            raise CheckpointWriteError(0, f"step {self.step}: {error}; stopping (free space, or point log.dir "
+                                          "elsewhere, then resume)" if error else
+                                          f"step {self.step}: {int(failed)} rank(s) could not write their part of "
+                                          "the checkpoint (their errors say why); stopping with the previous "
+                                          "checkpoints intact")
+
+    # ------------------------------------------------------------ preemption
+
+    def install_preemption_handlers(self) -> Callable[[], None]:
+        """Catch SIGTERM and SIGUSR1 (on the main thread): the handler only records the signal, the loop acts at
+        the next step end. Returns what restores the previous handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.signal(sig, self.on_preemption_signal) for sig in PREEMPT_SIGNALS}
+        return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]  # type: ignore[func-returns-value]
+
+    def on_preemption_signal(self, signum: int, frame: Any) -> None:
+        if self.preempt_signal is not None:
+            return
+        self.preempt_signal = signum
+        # The watchdog: past the grace period, leave with the restartable status even without a checkpoint
+        # (before the platform's SIGKILL, so that the launcher still sees a restartable exit).
+        watchdog = threading.Timer(self.train_cfg.preempt_grace_s, self.exit_after_grace)
+        watchdog.daemon = True
+        watchdog.start()
+
+    def exit_after_grace(self) -> None:
+        print(f"rank {self.topo.rank}: {signal.Signals(self.preempt_signal).name} received "
+              f"{self.train_cfg.preempt_grace_s:g} s ago and no checkpoint written since (train.preempt_grace_s); "
+              f"exiting with status {PREEMPTED_EXIT_CODE} without one", file=sys.stderr, flush=True)
+        os._exit(PREEMPTED_EXIT_CODE)
+
+    def preemption_agreed(self) -> bool:
+        """Collective every train.preempt_check_every_steps steps: whether any rank was signalled."""
+        if self.step % self.train_cfg.preempt_check_every_steps:
+            return False
+        if not self.topo.distributed:
+            return self.preempt_signal is not None
+        (signalled,) = all_reduce_sum([0.0 if self.preempt_signal is None else 1.0], self.topo)
+        self.preempted_ranks = int(signalled)
+        return signalled > 0
+
+    def stop_for_preemption(self, bar: Any) -> None:
+        """Collective: write a checkpoint now (unless this step's was just written), then leave every rank with
+        the restartable status."""
+        start = time.perf_counter()
+        if self.last_checkpoint_step != self.step:
+            self.checkpoint(background=False)
+        else:
+            self.wait_for_checkpoints()
+        bar.close()
+        if self.topo.is_main:
+            print(f"preempted: a stop signal (SIGTERM/SIGUSR1) reached {max(1, self.preempted_ranks)} rank(s); "
+                  f"checkpoint of step {self.step} complete in {time.perf_counter() - start:.1f} s; exiting with "
+                  f"status {PREEMPTED_EXIT_CODE} (restartable: resume continues from it)", flush=True)
+        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     # ------------------------------------------------------------ steps
 
@@ -359,22 +563,29 @@ class Trainer:
     # ------------------------------------------------------------ the loop
 
     def fit(self) -> dict[str, Any]:
-        """Train to the end (or to the target); returns the run summary."""
+        """Train to the end (or to the target); returns the run summary. A stop signal (SIGTERM, SIGUSR1)
+        during training ends it with a checkpoint and SystemExit(PREEMPTED_EXIT_CODE)."""
+        token = uuid.uuid4().hex
+        self.token = self.topo.world.broadcast_object(token, src=0) if self.topo.distributed else token
         resumed_from = self.maybe_resume()
         if resumed_from is None:
             broadcast_module(self.model, self.topo)
         self.print_plan(resumed_from)
         untrained = self.test("untrained") if resumed_from is None else {}
-        bar = self.progress_bar()
-        self._clock = time.perf_counter() - self.elapsed_s
-        stop = self.time_to_target_s is not None and self.train_cfg.stop_at_target
-        while self.epoch < self.train_cfg.epochs and not stop:
-            stop = self.run_epoch(self.schedule.phase(self.epoch), bar)
-        bar.close()
-        self.wait_for_checkpoints()
+        restore_handlers = self.install_preemption_handlers()
+        try:
+            bar = self.progress_bar()
+            self._clock = time.perf_counter() - self.elapsed_s
+            stop = self.time_to_target_s is not None and self.train_cfg.stop_at_target
+            while self.epoch < self.train_cfg.epochs and not stop:
+                stop = self.run_epoch(self.schedule.phase(self.epoch), bar)
+            bar.close()
+            self.wait_for_checkpoints()
+        finally:
+            restore_handlers()
         return self.finish_summary(untrained, self.test("trained"))
 
-    def run_epoch(self, phase: Phase, bar: tqdm) -> bool:
+    def run_epoch(self, phase: Phase, bar: tqdm | ProgressLines) -> bool:
         """Train the epoch, evaluate and checkpoint when due, log it; whether the run stops at its target."""
         # A phase has one image size: let cuDNN pick the fastest convolution algorithms for it (unless
         # deterministic kernels were asked for).
@@ -395,7 +606,7 @@ class Trainer:
             self.checkpoint()
         return stop
 
-    def train_epoch(self, phase: Phase, bar: tqdm) -> dict[str, float]:
+    def train_epoch(self, phase: Phase, bar: tqdm | ProgressLines) -> dict[str, float]:
         """The rest of the epoch: from `self.step_in_epoch` (0, or where a mid-epoch checkpoint was taken)."""
         steps, first = self.steps_per_epoch(phase), self.step_in_epoch
         epoch, window, done = Meter(), Meter(), 0
@@ -417,6 +628,8 @@ class Trainer:
                 window = Meter()
             if self.should_checkpoint_step():
                 self.checkpoint()
+            if self.preemption_agreed():
+                self.stop_for_preemption(bar)
         if hasattr(batches, "close"):
             batches.close()  # let the task's generator release its loader state now
         seconds = time.perf_counter() - epoch.start
@@ -457,7 +670,7 @@ class Trainer:
     # ------------------------------------------------------------ logging
 
     def log_step(self, epoch: float, loss: torch.Tensor, lr: float, momentum: float | None,
-                 comm_stats: dict[str, float], window: Meter, bar: tqdm) -> None:
+                 comm_stats: dict[str, float], window: Meter, bar: tqdm | ProgressLines) -> None:
         """The step record: loss, schedule, throughput and data wait over the window, comm and optimizer stats."""
         value = float(loss)
         (units,) = all_reduce_sum([window.units], self.topo)  # every rank's, not ours times W
@@ -485,12 +698,17 @@ class Trainer:
         read = getattr(self.optimizer, "step_metrics", None)
         return {name: float(value) for name, value in read().items()} if read is not None else {}
 
-    def progress_bar(self) -> tqdm:
-        """Steps over the whole run on rank 0 (log.progress), starting where a resumed run left off."""
+    def progress_bar(self) -> tqdm | ProgressLines:
+        """Steps over the whole run on rank 0 (log.progress), starting where a resumed run left off: a tqdm bar
+        on a terminal; in a log file (stderr not a terminal: Slurm, nohup, CI) a plain line every
+        log.every_steps steps instead of a bar redrawn into the file."""
         steps = [self.steps_per_epoch(self.schedule.phase(e)) for e in range(self.train_cfg.epochs)]
-        done = sum(steps[:self.epoch]) + self.step_in_epoch
-        return tqdm(total=sum(steps), initial=min(sum(steps), done), unit="step", dynamic_ncols=True,
-                    disable=not (self.topo.is_main and self.log_cfg.progress))
+        total = sum(steps)
+        done = min(total, sum(steps[:self.epoch]) + self.step_in_epoch)
+        show = self.topo.is_main and self.log_cfg.progress
+        if show and not sys.stderr.isatty():
+            return ProgressLines(total, done, self.log_cfg.every_steps)
+        return tqdm(total=total, initial=done, unit="step", dynamic_ncols=True, disable=not show)
 
     def print_plan(self, resumed_from: str | None) -> None:
         """Derived sizes, printed once on rank 0."""

@@ -1,7 +1,9 @@
 """Seeding and the state of this process's random generators (Python, NumPy, torch, CUDA).
 
-A checkpoint carries one `rng_state` per rank, so a resumed run draws the same dropout masks and
-augmentations as an uninterrupted one.
+A checkpoint carries each rank's `rng_state` in that rank's own file, so a resumed run draws the same dropout
+masks and augmentations as an uninterrupted one. The state is made of plain types and tensors only, so the
+file opens with torch.load(weights_only=True). A rank that has no state in the checkpoint (the world grew)
+gets generators derived from the seed, its rank and the step (`seed_rank`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,23 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def seed_rank(seed: int, rank: int, step: int) -> None:
+    """Generators of their own for `rank` resuming at `step` without a saved state, derived from the seed (a
+    different stream per rank and per step, the same on every restart)."""
+    derived = int(np.random.SeedSequence([seed, rank, step]).generate_state(1, np.uint64)[0]) >> 1
+    random.seed(derived)
+    np.random.seed(derived % 2**32)
+    torch.manual_seed(derived)
+
+
 def rng_state(device: torch.device) -> dict[str, Any]:
-    """This process's random generators (one entry per rank in a checkpoint)."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's random generators, as plain types and tensors (one rank's entry in a checkpoint)."""
+    numpy = np.random.get_state(legacy=False)
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"bit_generator": numpy["bit_generator"], "key": torch.from_numpy(numpy["state"]["key"].astype(np.int64)),
+                       "pos": int(numpy["state"]["pos"]), "has_gauss": int(numpy["has_gauss"]),
+                       "gauss": float(numpy["gauss"])},
+             "python": random.getstate()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -38,7 +54,10 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     """Restore what `rng_state` returned (the CUDA generator only on a CUDA device)."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    numpy = state["numpy"]
+    np.random.set_state({"bit_generator": numpy["bit_generator"],
+                         "state": {"key": numpy["key"].numpy().astype(np.uint32), "pos": numpy["pos"]},
+                         "has_gauss": numpy["has_gauss"], "gauss": numpy["gauss"]})
     random.setstate(state["python"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
