@@ -6,13 +6,14 @@ from typing import Callable
 
 from torch import nn
 
+from trainer.comm.auto import AutoCommunicator
 from trainer.comm.base import CommTimeoutError, Communicator, LocalCommunicator
 from trainer.comm.config import CommConfig, CommKind
 from trainer.comm.dense import DenseAllreduce
 from trainer.comm.sparse import TopKCommunicator, flat_topk, hierarchical_topk
 from trainer.dist import Topology
 
-__all__ = ["CommConfig", "CommKind", "CommTimeoutError", "Communicator", "DenseAllreduce", "LocalCommunicator",
+__all__ = ["AutoCommunicator", "CommConfig", "CommKind", "CommTimeoutError", "Communicator", "DenseAllreduce", "LocalCommunicator",
            "TopKCommunicator", "build_communicator", "flat_topk", "hierarchical_topk"]
 
 
@@ -24,6 +25,7 @@ KINDS: dict[CommKind, Callable[[CommConfig, nn.Module, Topology], Communicator]]
     "dense": _dense,
     "topk": flat_topk,
     "hitopk": hierarchical_topk,
+    "auto": AutoCommunicator,
 }
 """`comm.kind` -> the builder of that communicator for a run of several processes."""
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from trainer.config import require
 
-CommKind = Literal["dense", "topk", "hitopk"]
+CommKind = Literal["dense", "topk", "hitopk", "auto"]
 """The values of `comm.kind`."""
 Compression = Literal["none", "fp16", "bf16"]
 """The values of `comm.compression`."""
@@ -17,17 +17,30 @@ Compression = Literal["none", "fp16", "bf16"]
 class CommConfig:
     kind: CommKind = "dense"
     """Gradient exchange: dense = bucketed allreduce; topk = every rank's top-k with error feedback,
-    allgathered; hitopk = the paper's hierarchical top-k (dense inside a node, sparse between nodes)."""
+    allgathered; hitopk = the paper's hierarchical top-k (dense inside a node, sparse between nodes); auto =
+    measure the cluster during the dense warm-up, then per bucket the exchange (dense fp32, dense 16-bit,
+    topk, hitopk) and density with the least predicted exposed time (docs/communicators.md)."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MB of fp32 gradients; each bucket is launched as soon as it is ready."""
     compression: Compression = "none"
-    """Wire dtype of the dense allreduce (kind dense only; the average is accumulated back in fp32)."""
+    """Wire dtype of the dense allreduce (kind dense; kind auto: the 16-bit dtype it may choose, fp16 when
+    none); the average is accumulated back in fp32."""
     density: float = 0.01
     """topk/hitopk: fraction of each bucket (of each rank's 1/L shard for hitopk) sent per step."""
     dense_below: int = 16384
     """topk/hitopk: buckets with fewer elements go through a dense allreduce."""
     dense_warmup_steps: int = 0
     """topk/hitopk: the first steps use a dense allreduce for every bucket (stable start)."""
+    densities: list[float] = field(default_factory=lambda: [0.01, 0.003, 0.001])
+    """auto: the densities it may choose from (those below min_density are left out)."""
+    min_density: float = 0.01
+    """auto: the lowest density the recipe has shown to converge; auto never sends less (1 = never sparse)."""
+    calibration_steps: int = 6
+    """auto: dense steps it measures before deciding (at least 3; dense_warmup_steps when that is larger)."""
+    redecide_every: int = 50
+    """auto: steps between checks of measured against predicted exchange times (re-decided on drift)."""
+    hysteresis: float = 0.1
+    """auto: a new plan must be predicted this fraction faster than the current one (no flapping)."""
     selection_iters: int = 20
     """topk/hitopk: MSTopK bisection steps (more = closer to the exact top-k, same cost on the CPU path)."""
 
@@ -37,5 +50,11 @@ class CommConfig:
         require(self.dense_below >= 0, f"comm.dense_below: must be >= 0, got {self.dense_below}")
         require(self.dense_warmup_steps >= 0,
                 f"comm.dense_warmup_steps: must be >= 0, got {self.dense_warmup_steps}")
+        require(bool(self.densities) and all(0 < d <= 1 for d in self.densities),
+                f"comm.densities: must be a non-empty list of numbers in (0, 1], got {self.densities}")
+        require(0 < self.min_density <= 1, f"comm.min_density: must be in (0, 1], got {self.min_density}")
+        require(self.calibration_steps >= 3, f"comm.calibration_steps: must be >= 3, got {self.calibration_steps}")
+        require(self.redecide_every >= 1, f"comm.redecide_every: must be >= 1, got {self.redecide_every}")
+        require(0 <= self.hysteresis < 1, f"comm.hysteresis: must be in [0, 1), got {self.hysteresis}")
         require(1 <= self.selection_iters <= 32,
                 f"comm.selection_iters: must be in [1, 32], got {self.selection_iters}")

@@ -7,6 +7,7 @@ from torch import nn
 
 from trainer.comm.base import Bucket, BucketedCommunicator
 from trainer.comm.config import Compression
+from trainer.comm.cost import Choice, Collective, describe, exchange_bytes, layout_of, sent_bytes
 from trainer.dist import Topology
 
 WIRE_DTYPES: dict[Compression, torch.dtype | None] = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -14,13 +15,9 @@ WIRE_DTYPES: dict[Compression, torch.dtype | None] = {"none": None, "fp16": torc
 
 
 def ring_allreduce_bytes(topo: Topology, nbytes: float) -> tuple[float, float]:
-    """Bytes one rank sends in a ring allreduce of `nbytes`: all links, and its share of inter-node links.
-
-    A ring sends 2 (W-1)/W of the buffer per rank; of the W hops of a node-major ring, N cross nodes.
-    """
-    w = topo.world_size
-    sent = 2 * (w - 1) / w * nbytes
-    return sent, (sent * topo.num_nodes / w if topo.num_nodes > 1 else 0.0)
+    """Bytes one rank sends in a ring allreduce of `nbytes` over all ranks: all links, and its share of
+    inter-node links (the cost model's count, `trainer.comm.cost.sent_bytes`)."""
+    return sent_bytes(Collective("allreduce", nbytes, "world"), layout_of(topo))
 
 
 class DenseAllreduce(BucketedCommunicator):
@@ -34,7 +31,8 @@ class DenseAllreduce(BucketedCommunicator):
         flat = bucket.buffer if self.wire_dtype is None else bucket.buffer.to(self.wire_dtype)
         bucket.wire = flat
         bucket.work = self.topo.world.all_reduce_async(flat)
-        sent, inter = ring_allreduce_bytes(self.topo, flat.numel() * flat.element_size())
+        choice = Choice("dense" if self.wire_dtype is None else "dense16")
+        sent, inter = exchange_bytes(describe(bucket.numel, choice, layout_of(self.topo)), layout_of(self.topo))
         self.count(sent=sent, inter_node=inter, sent_elements=flat.numel(), selected_from=flat.numel())
 
     def complete(self, bucket: Bucket) -> torch.Tensor:

@@ -47,7 +47,7 @@ from torch import nn
 from kernels import mstopk, mstopk_warm_up
 from trainer.comm.base import Bucket, ExchangeCommunicator
 from trainer.comm.config import CommConfig
-from trainer.comm.dense import ring_allreduce_bytes
+from trainer.comm.cost import Choice, Layout, describe, exchange_bytes, k_of, layout_of
 from trainer.dist import Group, Topology
 
 
@@ -97,7 +97,11 @@ class TopKCommunicator(ExchangeCommunicator):
 
     def k_of(self, size: int) -> int:
         """How many (value, index) pairs a shard of `size` elements sends."""
-        return min(size, max(1, math.ceil(self.density * size)))
+        return k_of(size, self.density)
+
+    @property
+    def layout(self) -> Layout:
+        return layout_of(self.topo)
 
     @property
     def local_size(self) -> int:
@@ -108,28 +112,48 @@ class TopKCommunicator(ExchangeCommunicator):
         return bucket.numel >= self.dense_below and self.steps >= self.dense_warmup_steps
 
     def exchange(self, bucket: Bucket) -> torch.Tensor:
-        flat, what = bucket.buffer, f"gradient bucket {bucket.index} ({bucket.numel} elements)"
         if not self.is_sparse(bucket):
-            sent, inter = ring_allreduce_bytes(self.topo, flat.numel() * flat.element_size())
-            self.count(sent=sent, inter_node=inter, sent_elements=flat.numel(), selected_from=flat.numel())
-            return self.topo.world.all_reduce_(flat, f"allreduce of {what}").div_(self.topo.world_size)
-        n, local = flat.numel(), self.local_size
+            return self.dense_exchange(bucket)
+        return self.sparse_exchange(bucket, self.intra, self.inter, self.density)
+
+    def count_exchange(self, bucket: Bucket, choice: Choice) -> None:
+        """Add the bytes of `bucket`'s exchange as `choice` (the cost model's description) to the stats."""
+        sent, inter = exchange_bytes(describe(bucket.numel, choice, self.layout), self.layout)
+        self.count(sent=sent, inter_node=inter)
+
+    def dense_exchange(self, bucket: Bucket, wire_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A blocking allreduce of the bucket over all ranks (in `wire_dtype` on the wire), averaged."""
+        flat = bucket.buffer
+        self.count_exchange(bucket, Choice("dense" if wire_dtype is None else "dense16"))
+        self.count(sent_elements=flat.numel(), selected_from=flat.numel())
+        what = f"allreduce of gradient bucket {bucket.index} ({bucket.numel} elements)"
+        if wire_dtype is None:
+            return self.topo.world.all_reduce_(flat, what).div_(self.topo.world_size)
+        wire = self.topo.world.all_reduce_(flat.to(wire_dtype), what)
+        return flat.copy_(wire).div_(self.topo.world_size)
+
+    def sparse_exchange(self, bucket: Bucket, intra: Group | None, inter: Group | None, density: float
+                        ) -> torch.Tensor:
+        """The top-k chain of the module docstring over `intra` (None: every rank its own node) and `inter`."""
+        flat, what = bucket.buffer, f"gradient bucket {bucket.index} ({bucket.numel} elements)"
+        kind = "topk" if intra is None else "hitopk"
+        self.count_exchange(bucket, Choice(kind, density))
+        n, local = flat.numel(), intra.size if intra is not None else 1
         padded = math.ceil(n / local) * local
         if padded != n:
             flat = torch.cat([flat, flat.new_zeros(padded - n)])
         shard = flat
-        if self.intra is not None:
-            shard = self.intra.reduce_scatter(flat, f"intra-node reduce-scatter of {what}")
-            self.count(sent=(local - 1) / local * padded * flat.element_size())
-        shard = self.select_and_exchange(bucket.index, shard, what)
-        if self.intra is not None:
-            shard = self.intra.all_gather(shard, f"intra-node allgather of {what}")
-            self.count(sent=(local - 1) / local * padded * flat.element_size())
+        if intra is not None:
+            shard = intra.reduce_scatter(flat, f"intra-node reduce-scatter of {what}")
+        shard = self.select_and_exchange(bucket.index, shard, what, inter, density)
+        if intra is not None:
+            shard = intra.all_gather(shard, f"intra-node allgather of {what}")
         return shard[:n].div_(self.topo.world_size)
 
-    def select_and_exchange(self, index: int, shard: torch.Tensor, what: str) -> torch.Tensor:
+    def select_and_exchange(self, index: int, shard: torch.Tensor, what: str, inter: Group | None,
+                            density: float) -> torch.Tensor:
         """Residual add, top-k, sparse allgather among this local rank's peers on other nodes; the sum."""
-        if self.inter is None:  # one node: nothing crosses a slow link, the shard is already the full sum
+        if inter is None:  # one node: nothing crosses a slow link, the shard is already the full sum
             return shard
         size = shard.numel()
         residual = self.residuals.get(index)
@@ -143,7 +167,7 @@ class TopKCommunicator(ExchangeCommunicator):
             torch.add(shard, residual, out=acc)
         else:  # the residual is unscaled: bring it to this step's loss scale (a power of two: exact)
             torch.addcmul(shard, residual, scale, out=acc)
-        k = self.k_of(size)
+        k = k_of(size, density)
         start = time.perf_counter()
         try:
             values, indices = mstopk(acc, k, iters=self.iters)
@@ -158,13 +182,11 @@ class TopKCommunicator(ExchangeCommunicator):
                 raise
             payload = pack(acc.new_full((k,), float("nan")), torch.arange(k, device=acc.device))
         self.count(select_s=time.perf_counter() - start, sent_elements=k, selected_from=size)
-        gathered = self.inter.all_gather(payload, f"inter-node sparse allgather of {what}")
-        nbytes = (self.inter.size - 1) * payload.numel() * 4
-        self.count(sent=nbytes, inter_node=nbytes)
+        gathered = inter.all_gather(payload, f"inter-node sparse allgather of {what}")
         out = self._dense.get(index)
         if out is None or out.numel() != size or out.dtype != gathered.dtype:
             out = self._dense[index] = gathered.new_empty(size)
-        return scatter_payloads(gathered, self.inter.size, size, out)
+        return scatter_payloads(gathered, inter.size, size, out)
 
     def begin_step(self) -> None:
         self._updated = []

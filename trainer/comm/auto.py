@@ -1,0 +1,443 @@
+"""`comm.kind: auto`: measure the live cluster during dense warm-up steps, then choose per bucket the exchange
+(dense fp32, dense 16-bit wire, flat top-k, hierarchical top-k) and density with the least predicted
+exposed time - the time the optimizer waits after backward, not the bytes.
+
+Calibration (the first `calibration_steps` steps, every bucket dense fp32, on the exchange thread):
+- each bucket's ready time (how long before the end of backward it was launched) and its dense exchange
+  time during backward;
+- after the last of those steps, a few probe collectives per group at two sizes (world allreduce in fp32 and
+  16-bit, world allgather, inter-node allgather, intra-node reduce-scatter and allgather): latency and
+  bandwidth of each link (trainer/comm/cost.py's alpha-beta links);
+- the sparse local work (residual add, MSTopK, pack, clear, scatter-add) on each bucket's own gradient:
+  seconds per element on this device; and the 16-bit casts.
+Every rank's measurements are reduced to their maximum over ranks (a step is as slow as its slowest rank),
+so every rank fits the same model; rank 0's plan is broadcast all the same, so ranks cannot disagree.
+
+The model (`choose`): each bucket's exchange is `cost.describe`'s list of collectives plus local work; the
+collectives are scaled by the measured/modelled ratio of the dense exchanges during backward (contention
+with the compute); on a CPU the local work also delays backward (same cores). Starting from all dense, each
+bucket in turn takes the candidate that lowers the predicted exposed time by more than a small margin, so
+a bucket whose exchange hides behind backward stays dense. Densities below `comm.min_density` (the recipe's
+safe bound) are never candidates.
+
+Drift: every `redecide_every` steps the measured chain times are compared with the predicted ones (max over
+ranks); when the ratio moved by more than `hysteresis`, the model's link scale is updated and the plan is
+re-decided, and a new plan is adopted only if it is predicted `hysteresis` faster than the current one.
+
+Switching a bucket keeps error feedback exact: a residual kept for one layout (topk: this rank's whole
+bucket; hitopk: this rank's 1/L shard of the node's sum) is added, at the step's loss scale, into this
+rank's gradient before an exchange of another kind, and dropped; every rank contributes its residual once
+to the sum, so no gradient mass is lost or counted twice. `rollback()` restores folded residuals too.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from kernels import mstopk, mstopk_warm_up
+from trainer.comm.base import Bucket
+from trainer.comm.config import CommConfig
+from trainer.comm.cost import (CODES, DENSE, KINDS, Choice, Layout, Network, Selection, describe, exchange_bytes,
+                               exposed_s, fit_affine, fit_link, k_of)
+from trainer.comm.dense import WIRE_DTYPES
+from trainer.comm.sparse import TopKCommunicator, pack, scatter_payloads
+from trainer.dist import Topology
+
+MARGIN = 0.02
+"""A bucket leaves dense only for a predicted saving above this fraction of the step's exposed time
+(plus a tenth of a millisecond): ties stay dense."""
+
+
+def candidates(n: int, layout: Layout, densities: Sequence[float], min_density: float, dense_below: int
+               ) -> list[Choice]:
+    """The exchanges auto considers for a bucket of n elements (dense first)."""
+    out = [DENSE, Choice("dense16")]
+    if layout.world == 1 or n < dense_below:
+        return out
+    safe = sorted({d for d in densities if d >= min_density}, reverse=True)
+    out += [Choice("topk", d) for d in safe]
+    if layout.per_node > 1 and layout.nodes > 1:
+        out += [Choice("hitopk", d) for d in safe]
+    return out
+
+
+def predict(sizes: Sequence[int], ready_before_end: Sequence[float], plan: Sequence[Choice], net: Network,
+            local_competes: bool) -> tuple[float, list[float]]:
+    """(predicted exposed seconds, each bucket's chain seconds) of `plan`."""
+    chains, local = [], 0.0
+    for n, choice in zip(sizes, plan):
+        ex = describe(n, choice, net.layout)
+        chains.append(net.chain_s(ex))
+        local += net.local_s(ex)
+    return exposed_s(ready_before_end, chains, local if local_competes else 0.0), chains
+
+
+def choose(sizes: Sequence[int], ready_before_end: Sequence[float], net: Network,
+           options: Callable[[int], list[Choice]], local_competes: bool,
+           start: Sequence[Choice] | None = None) -> tuple[list[Choice], float]:
+    """The plan with the least predicted exposed time (coordinate descent from `start`, default all dense,
+    largest buckets first), and that time."""
+    plan = list(start) if start is not None else [DENSE] * len(sizes)
+    best, _ = predict(sizes, ready_before_end, plan, net, local_competes)
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    for _ in range(3):
+        changed = False
+        for i in order:
+            for choice in options(sizes[i]):
+                if choice == plan[i]:
+                    continue
+                trial = plan[:i] + [choice] + plan[i + 1:]
+                t, _ = predict(sizes, ready_before_end, trial, net, local_competes)
+                if t < best - MARGIN * best - 1e-4:
+                    plan, best, changed = trial, t, True
+        if not changed:
+            break
+    return plan, best
+
+
+class AutoCommunicator(TopKCommunicator):
+    """Per-bucket exchange chosen from live measurements (see the module docstring)."""
+
+    def __init__(self, cfg: CommConfig, model: nn.Module, topo: Topology) -> None:
+        super().__init__(cfg, model, topo, intra=topo.intra_node, inter=topo.inter_node)
+        self.cfg = cfg
+        self.wire16 = WIRE_DTYPES[cfg.compression] or torch.float16
+        self.net_layout = Layout(topo.num_nodes, topo.ranks_per_node)
+        self.calibration_steps = max(cfg.calibration_steps, cfg.dense_warmup_steps)
+        self.plan: list[Choice] = [DENSE] * len(self.buckets)
+        self.net: Network | None = None
+        """The fitted model (None until calibrated)."""
+        self.ready_before_end: list[float] = []
+        self.predicted_chain_s: list[float] = []
+        self.predicted_exposed_s = 0.0
+        self.calibration: dict[str, float] = {}
+        """The measurements, for the logs and `scripts/plan.py --from-run`."""
+        self.inter_delay_s_per_mb = 0.0
+        """Test hook: seconds of extra delay per MB this rank sends over inter-node links (a slow link)."""
+        self._local_steps = 0
+        """Exchanges since this process started (calibration is per process: a resumed run measures again)."""
+        self._residual_kind: dict[int, str] = {}
+        self._folded: list[tuple[int, torch.Tensor, str]] = []
+        self._launched: dict[int, float] = {}
+        self._chain: dict[int, float] = {}
+        self._rows: list[tuple[list[float], list[float], float]] = []
+        """Per measured step: ready-before-end and chain seconds per bucket, and the launch-to-end span."""
+        self._first_launch = 0.0
+        self._options = lambda n: candidates(n, self.net_layout, cfg.densities, cfg.min_density, cfg.dense_below)
+
+    # ------------------------------------------------------------ the exchange
+
+    @property
+    def calibrated(self) -> bool:
+        return self.net is not None
+
+    def launch(self, bucket: Bucket) -> None:
+        now = time.perf_counter()
+        if not self._launched:
+            self._first_launch = now
+        self._launched[bucket.index] = now
+        super().launch(bucket)
+
+    def exchange(self, bucket: Bucket) -> torch.Tensor:
+        start = time.perf_counter()
+        choice = self.plan[bucket.index]
+        self._fold_residual(bucket, choice.kind)
+        if choice.kind == "dense":
+            out = self.dense_exchange(bucket)
+        elif choice.kind == "dense16":
+            out = self.dense_exchange(bucket, self.wire16)
+        elif choice.kind == "topk" or self.intra is None or self.inter is None:
+            out = self.sparse_exchange(bucket, None, self.topo.world, choice.density)
+            self._residual_kind[bucket.index] = "topk"
+        else:
+            out = self.sparse_exchange(bucket, self.intra, self.inter, choice.density)
+            self._residual_kind[bucket.index] = "hitopk"
+        if self.inter_delay_s_per_mb:
+            _, inter = exchange_bytes(describe(bucket.numel, choice, self.net_layout), self.net_layout)
+            time.sleep(inter / 2**20 * self.inter_delay_s_per_mb)
+        self._chain[bucket.index] = time.perf_counter() - start
+        return out
+
+    def _fold_residual(self, bucket: Bucket, kind: str) -> None:
+        """Before an exchange of another kind than the residual's: add the residual into this rank's gradient
+        (at this step's loss scale) and drop it."""
+        index = bucket.index
+        old = self._residual_kind.get(index)
+        residual = self.residuals.get(index)
+        if residual is None or old == kind:
+            return
+        flat = bucket.buffer
+        lo = 0
+        if old == "hitopk":
+            lo = self.topo.local_rank * residual.numel()
+        hi = min(flat.numel(), lo + residual.numel())
+        part = residual[:hi - lo] if self.grad_scale is None else residual[:hi - lo] * self.grad_scale
+        flat[lo:hi] += part.to(flat.dtype)
+        self._folded.append((index, residual, old))
+        del self.residuals[index], self._residual_kind[index]
+        self._spare.pop(index, None)
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        self._folded = []
+
+    def rollback(self) -> None:
+        super().rollback()
+        for index, residual, kind in reversed(self._folded):
+            self.residuals[index], self._residual_kind[index] = residual, kind
+        self._folded = []
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["residual_kinds"] = {i: CODES[k] for i, k in self._residual_kind.items()}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self._residual_kind = {int(i): KINDS[int(c)] for i, c in state.get("residual_kinds", {}).items()}
+        for i in self.residuals:  # a state from a topk/hitopk communicator
+            self._residual_kind.setdefault(i, "topk" if self.intra is None else "hitopk")
+        self._folded = []
+
+    # ------------------------------------------------------------ measuring and deciding
+
+    def finish(self) -> dict[str, float]:
+        end = time.perf_counter()
+        stats = super().finish()
+        done = time.perf_counter()
+        measured = self._local_steps > 0  # the first step pays allocations and connection set-up
+        self._local_steps += 1
+        if measured:
+            ready = [end - self._launched.get(b.index, end) for b in self.buckets]
+            self._rows.append((ready, [self._chain.get(b.index, 0.0) for b in self.buckets], done - self._first_launch))
+        self._launched, self._chain = {}, {}
+        if not self.calibrated and self._local_steps >= self.calibration_steps:
+            self._calibrate()
+        elif self.calibrated and len(self._rows) >= self.cfg.redecide_every:
+            self._check_drift()
+        return {**stats, **self.decision_stats(stats)}
+
+    def decision_stats(self, stats: dict[str, float]) -> dict[str, float]:
+        """The per-bucket choices and predicted vs measured times, for TensorBoard and the JSONL log."""
+        out = {"calibrated": float(self.calibrated), "predicted_exposed_ms": self.predicted_exposed_s * 1e3,
+               "measured_exposed_ms": stats.get("wait_s", 0.0) * 1e3}
+        for b, choice in zip(self.buckets, self.plan):
+            out[f"choice/{b.index}"] = float(CODES[choice.kind])
+            out[f"choice_density/{b.index}"] = choice.density
+            if self.predicted_chain_s:
+                out[f"predicted_ms/{b.index}"] = self.predicted_chain_s[b.index] * 1e3
+            if self._rows:
+                out[f"measured_ms/{b.index}"] = self._rows[-1][1][b.index] * 1e3
+        return out
+
+    def _medians(self, rows: list) -> tuple[list[float], list[float], float]:
+        ready = [statistics.median(r[0][i] for r in rows) for i in range(len(self.buckets))]
+        chain = [statistics.median(r[1][i] for r in rows) for i in range(len(self.buckets))]
+        return ready, chain, statistics.median(r[2] for r in rows)
+
+    def _max_over_ranks(self, values: list[float]) -> list[float]:
+        gathered = self.topo.world.all_gather(torch.tensor(values, dtype=torch.float64), "calibration max")
+        return gathered.view(self.topo.world_size, -1).max(dim=0).values.tolist()
+
+    def _calibrate(self) -> None:
+        ready, chain, span = self._medians(self._rows)
+        probes = self._probe_links()
+        select_pts, cast_pt = self._probe_local_work()
+        names = sorted(probes)
+        flat = ready + chain + [span] + [t for name in names for _, t in probes[name]] \
+            + [t for _, t in select_pts] + [cast_pt[1]]
+        flat = self._max_over_ranks(flat)
+        nb = len(self.buckets)
+        ready, chain, span = flat[:nb], flat[nb:2 * nb], flat[2 * nb]
+        pos = 2 * nb + 1
+        for name in names:
+            probes[name] = [(x, flat[pos + j]) for j, (x, _) in enumerate(probes[name])]
+            pos += len(probes[name])
+        select_pts = [(x, flat[pos + j]) for j, (x, _) in enumerate(select_pts)]
+        pos += len(select_pts)
+        cast_s = flat[pos]
+        self.net = build_network(self.net_layout, probes, select_pts, cast_s / max(cast_pt[0], 1))
+        sizes = [b.numel for b in self.buckets]
+        dense_pred = [self.net.network_s(describe(n, DENSE, self.net_layout)) for n in sizes]
+        ratios = [m / p for m, p in zip(chain, dense_pred) if p > 0 and m > 0]
+        self.net.net_scale = min(max(statistics.median(ratios), 0.25), 20.0) if ratios else 1.0
+        self.ready_before_end = ready
+        self.calibration = {"dense_span_s": span, "net_scale": self.net.net_scale,
+                            "select_per_element_s": self.net.selection.per_element_s,
+                            "select_fixed_s": self.net.selection.fixed_s, "cast_per_element_s": self.net.cast_per_element_s,
+                            **{f"link/{k}/alpha_s": v.alpha_s for k, v in self.net.links.items()},
+                            **{f"link/{k}/bytes_per_s": v.bytes_per_s for k, v in self.net.links.items()},
+                            **{f"bucket/{i}/elements": float(n) for i, n in enumerate(sizes)},
+                            **{f"bucket/{i}/ready_before_end_s": r for i, r in enumerate(ready)},
+                            **{f"bucket/{i}/dense_s": c for i, c in enumerate(chain)}}
+        self._decide(start=None)
+        self._rows = []
+        if self.topo.is_main:
+            print(self.table(chain), flush=True)
+
+    def _decide(self, start: list[Choice] | None) -> None:
+        sizes = [b.numel for b in self.buckets]
+        plan, _ = choose(sizes, self.ready_before_end, self.net, self._options, self.local_competes, start)
+        pairs = self.topo.world.broadcast_object([(c.kind, c.density) for c in plan], src=0)  # rank 0's plan
+        self.set_plan([Choice(kind, density) for kind, density in pairs])
+
+    def set_plan(self, plan: list[Choice]) -> None:
+        """Use `plan` from the next step on (every rank must set the same one)."""
+        self.plan = list(plan)
+        self.predicted_exposed_s, self.predicted_chain_s = predict(
+            [b.numel for b in self.buckets], self.ready_before_end, self.plan, self.net, self.local_competes)
+        sizes = set()
+        for b, c in zip(self.buckets, self.plan):
+            if c.sparse:
+                n = math.ceil(b.numel / (self.local_size if c.kind == "hitopk" else 1))
+                sizes.add((n, k_of(n, c.density)))
+        if sizes:  # compile the selection kernels for the new sizes now, not inside a timed step
+            mstopk_warm_up(self.topo.device, sorted(sizes), self.iters)
+
+    @property
+    def local_competes(self) -> bool:
+        """On a CPU the exchange's local work runs on the cores backward needs."""
+        return self.topo.device.type == "cpu"
+
+    def _check_drift(self) -> None:
+        _, chain, _ = self._medians(self._rows)
+        self._rows = []
+        chain = self._max_over_ranks(chain)
+        ratios = [m / p for m, p in zip(chain, self.predicted_chain_s) if p > 0 and m > 0]
+        if not ratios:
+            return
+        ratio = statistics.median(ratios)
+        if abs(ratio - 1) <= self.cfg.hysteresis:
+            return
+        self.net.net_scale = min(max(self.net.net_scale * ratio, 0.05), 100.0)
+        current, _ = predict([b.numel for b in self.buckets], self.ready_before_end, self.plan, self.net,
+                             self.local_competes)
+        sizes = [b.numel for b in self.buckets]
+        plan, t = choose(sizes, self.ready_before_end, self.net, self._options, self.local_competes)
+        if t < (1 - self.cfg.hysteresis) * current:
+            self._decide(start=None)
+            if self.topo.is_main:
+                print(f"comm auto: link times moved x{ratio:.2f}; new plan: "
+                      + ", ".join(f"{b.index}:{c.label}" for b, c in zip(self.buckets, self.plan)), flush=True)
+        else:
+            self.set_plan(self.plan)  # the same plan, predicted with the new scale
+
+    # ------------------------------------------------------------ probes
+
+    def _timed(self, fn: Callable[[], object], reps: int = 2) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def _probe_links(self) -> dict[str, list[tuple[float, float]]]:
+        """{probe: [(bytes, seconds)]} of each group's collectives at two sizes (all ranks, in the same order)."""
+        topo, lay = self.topo, self.net_layout
+        delay = self.inter_delay_s_per_mb
+        out: dict[str, list[tuple[float, float]]] = {}
+
+        def probe(name: str, group, op: str, sizes: Sequence[int], dtype: torch.dtype, inter_share: float) -> None:
+            rows = []
+            for n in sizes:
+                t = torch.ones(n, dtype=dtype, device=topo.device)
+                nbytes = n * t.element_size()
+
+                def run() -> None:
+                    if op == "allreduce":
+                        group.all_reduce_(t, "probe allreduce")
+                    elif op == "allgather":
+                        group.all_gather(t, "probe allgather")
+                    else:
+                        group.reduce_scatter(t, "probe reduce-scatter")
+                    if delay and inter_share:
+                        time.sleep(inter_share * nbytes / 2**20 * delay)
+                rows.append((float(nbytes), self._timed(run)))
+            out[name] = rows
+
+        w = lay.world
+        ring_inter = 2 * (w - 1) / w * (lay.nodes / w if lay.nodes > 1 else 0.0)
+        probe("world", topo.world, "allreduce", (2**13, 2**17), torch.float32, ring_inter)
+        probe("world16", topo.world, "allreduce", (2**13, 2**17), self.wire16, ring_inter)
+        probe("world_gather", topo.world, "allgather", (2**11, 2**15), torch.float32, w - 1)
+        if lay.per_node > 1 and lay.nodes > 1:
+            probe("inter", topo.inter_node, "allgather", (2**11, 2**15), torch.float32, lay.nodes - 1)
+            probe("intra_gather", topo.intra_node, "allgather", (2**13, 2**17), torch.float32, 0.0)
+            probe("intra_scatter", topo.intra_node, "reduce_scatter", (2**14, 2**18), torch.float32, 0.0)
+        return out
+
+    def _probe_local_work(self) -> tuple[list[tuple[float, float]], tuple[float, float]]:
+        """Seconds of the sparse local work on each large bucket's gradient (and a shard of it), and of a 16-bit
+        round trip of the largest bucket: [(elements, s)], (elements, s)."""
+        density = max([d for d in self.cfg.densities if d >= self.cfg.min_density] or [self.cfg.min_density])
+        peers = max(self.inter.size if self.inter is not None else 1, 1)
+        points = []
+        big = [b for b in self.buckets if b.numel >= self.dense_below and b.buffer is not None]
+        for b in big:
+            for part in sorted({b.numel, math.ceil(b.numel / self.local_size)}):
+                g = b.buffer[:part].float()
+                points.append((float(part), self._timed(_sparse_local_work(g, density, peers, self.iters), reps=1)))
+        largest = max(self.buckets, key=lambda b: b.numel)
+        cast = self._timed(lambda: largest.buffer.to(self.wire16).to(largest.buffer.dtype), reps=1) \
+            if largest.buffer is not None else 0.0
+        return points, (float(largest.numel), cast)
+
+    def table(self, dense_chain: Sequence[float]) -> str:
+        """The decision, one line per bucket (printed on rank 0 at the end of calibration)."""
+        net = self.net
+        head = (f"comm auto: {self.net_layout.nodes} nodes x {self.net_layout.per_node} ranks; links "
+                + ", ".join(f"{k} {v.bytes_per_s * 8 / 1e9:.2f} Gbit/s {v.alpha_s * 1e6:.0f} us"
+                            for k, v in net.links.items())
+                + f"; measured/modelled during backward x{net.net_scale:.2f}; selection "
+                f"{net.selection.per_element_s * 1e9:.1f} ns/element; min density {self.cfg.min_density:g}")
+        lines = [head, f"{'bucket':>6} {'elements':>10} {'ready ms':>9} {'dense ms':>9} {'choice':>14} {'pred ms':>8}"]
+        for b, choice in zip(self.buckets, self.plan):
+            lines.append(f"{b.index:>6} {b.numel:>10} {self.ready_before_end[b.index] * 1e3:>9.1f} "
+                         f"{dense_chain[b.index] * 1e3:>9.1f} {choice.label:>14} {self.predicted_chain_s[b.index] * 1e3:>8.1f}")
+        dense_exposed, _ = predict([b.numel for b in self.buckets], self.ready_before_end, [DENSE] * len(self.buckets),
+                                   net, self.local_competes)
+        lines.append(f"predicted exposed exchange: {self.predicted_exposed_s * 1e3:.1f} ms (all dense: "
+                     f"{dense_exposed * 1e3:.1f} ms); ready ms = launched this long before backward ended")
+        return "\n".join(lines)
+
+
+def _sparse_local_work(g: torch.Tensor, density: float, peers: int, iters: int) -> Callable[[], None]:
+    """What a sparse exchange does around its collectives for one bucket or shard `g`."""
+    residual = torch.zeros_like(g)
+    k = k_of(g.numel(), density)
+
+    def run() -> None:
+        acc = g + residual
+        values, indices = mstopk(acc, k, iters=iters)
+        payload = pack(values, indices)
+        acc.index_fill_(0, indices, 0.0)
+        scatter_payloads(payload.repeat(peers), peers, g.numel())
+    return run
+
+
+def build_network(layout: Layout, probes: dict[str, list[tuple[float, float]]],
+                  select_points: Sequence[tuple[float, float]], cast_per_element_s: float) -> Network:
+    """The links and local costs fitted to probe measurements ({probe: [(bytes, seconds)]}, see
+    AutoCommunicator._probe_links) and the sparse local work's [(elements, seconds)]."""
+    w, per, nodes = layout.world, layout.per_node, layout.nodes
+    links = {"world": fit_link(probes["world"], 2 * (w - 1), 2 * (w - 1) / w)}
+    if "world16" in probes:
+        links["world16"] = fit_link(probes["world16"], 2 * (w - 1), 2 * (w - 1) / w)
+    if "world_gather" in probes:
+        links["world_gather"] = fit_link(probes["world_gather"], w - 1, w - 1)
+    if "inter" in probes:
+        links["inter"] = fit_link(probes["inter"], nodes - 1, per * (nodes - 1))
+    if "intra_gather" in probes:
+        pts = [(b * (per - 1), t) for b, t in probes["intra_gather"]]
+        pts += [(b * (per - 1) / per, t) for b, t in probes.get("intra_scatter", [])]
+        links["intra"] = fit_link(pts, per - 1, 1.0)
+    selection = Selection(*fit_affine(select_points)) if select_points else Selection(0.0, 0.0)
+    return Network(layout, links, selection, cast_per_element_s)

@@ -1,0 +1,314 @@
+"""The one cost model of a gradient exchange: each bucket's exchange as the collectives it issues plus its
+local work, and the time of a step in which those exchanges overlap backward.
+
+`describe(n, choice, layout)` is what trainer/comm does for one bucket of n fp32 gradients:
+- dense: one allreduce of the bucket over all ranks (fp32, or fp16/bf16 on the wire);
+- topk: every rank selects k = ceil(density n) of its residual-corrected bucket, allgathers (value, index)
+  pairs with every rank and scatter-adds them;
+- hitopk: intra-node reduce-scatter, selection on this rank's 1/L shard, allgather of the pairs among the
+  N nodes' ranks of this local rank (the L local ranks share the node's link), intra-node allgather.
+The communicators count their bytes from this description (`sent_bytes`), the `auto` communicator times
+it with the links it measured, and `scripts/plan.py` times it with a cluster's links.
+
+Collective times are alpha-beta: ring steps x latency + the bytes through the busiest link / its bandwidth.
+A step: backward releases bucket b at `ready[b]`; bucket chains run one after another, each from the
+moment its bucket is ready (`overlap_step_s`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+KINDS = ("dense", "dense16", "topk", "hitopk")
+"""The per-bucket exchanges: dense fp32, dense on a 16-bit wire, flat top-k, hierarchical top-k."""
+
+CODES = {kind: i for i, kind in enumerate(KINDS)}
+"""A choice's number in the logged stats (`comm/choice/<bucket>`): 0 dense, 1 dense16, 2 topk, 3 hitopk."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How one bucket is exchanged."""
+
+    kind: str = "dense"
+    density: float = 1.0
+    """Fraction sent (sparse kinds; 1 for dense)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"exchange {self.kind!r}: valid ones are {', '.join(KINDS)}")
+        if not 0 < self.density <= 1:
+            raise ValueError(f"density must be in (0, 1], got {self.density}")
+
+    @property
+    def sparse(self) -> bool:
+        return self.kind in ("topk", "hitopk")
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} {self.density:g}" if self.sparse else self.kind
+
+
+DENSE = Choice("dense")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Ranks as the exchange sees them: `nodes` nodes of `per_node` ranks."""
+
+    nodes: int
+    per_node: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+    def group_size(self, group: str) -> int:
+        return {"world": self.world, "intra": self.per_node, "inter": self.nodes}[group]
+
+
+@dataclass(frozen=True)
+class Collective:
+    op: str
+    """allreduce, reduce_scatter or allgather."""
+    nbytes: float
+    """allreduce and reduce-scatter: the whole buffer; allgather: one rank's payload."""
+    group: str
+    """world, intra (this rank's node) or inter (this local rank's peers on the other nodes)."""
+    wire_bytes: int = 4
+    """Bytes per element on the wire (2: a 16-bit dense allreduce)."""
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One bucket's exchange: its collectives in order, and the elements its local work touches."""
+
+    collectives: tuple[Collective, ...]
+    select_elements: int = 0
+    """Elements MSTopK selects from (with the residual add, pack, clear and scatter-add around it)."""
+    k: int = 0
+    """Pairs this rank sends (sparse)."""
+    cast_elements: int = 0
+    """Elements cast to and from a 16-bit wire dtype."""
+
+
+def k_of(size: int, density: float) -> int:
+    """How many (value, index) pairs a shard of `size` elements sends at `density`."""
+    return min(size, max(1, math.ceil(density * size)))
+
+
+def describe(n: int, choice: Choice, layout: Layout) -> Exchange:
+    """The collectives and local work of one bucket of n fp32 gradients exchanged as `choice`."""
+    if layout.world == 1:
+        return Exchange(())
+    if choice.kind == "dense":
+        return Exchange((Collective("allreduce", 4 * n, "world"),))
+    if choice.kind == "dense16":
+        return Exchange((Collective("allreduce", 2 * n, "world", 2),), cast_elements=n)
+    if choice.kind == "topk" or layout.per_node == 1:  # hitopk on 1-rank nodes is topk
+        k = k_of(n, choice.density)
+        return Exchange((Collective("allgather", 8 * k, "world"),), select_elements=n, k=k)
+    per = layout.per_node
+    shard = math.ceil(n / per)
+    if layout.nodes == 1:  # one node: no slow link, nothing selected
+        return Exchange((Collective("reduce_scatter", 4 * shard * per, "intra"),
+                         Collective("allgather", 4 * shard, "intra")))
+    k = k_of(shard, choice.density)
+    return Exchange((Collective("reduce_scatter", 4 * shard * per, "intra"),
+                     Collective("allgather", 8 * k, "inter"),
+                     Collective("allgather", 4 * shard, "intra")), select_elements=shard, k=k)
+
+
+def sent_bytes(c: Collective, layout: Layout) -> tuple[float, float]:
+    """Bytes one rank sends in collective `c` (ring algorithms): all links, and the inter-node share."""
+    p = layout.group_size(c.group)
+    if p <= 1:
+        return 0.0, 0.0
+    if c.op == "allreduce":
+        sent = 2 * (p - 1) / p * c.nbytes
+    elif c.op == "reduce_scatter":
+        sent = (p - 1) / p * c.nbytes
+    else:
+        sent = (p - 1) * c.nbytes
+    if c.group == "intra":
+        return sent, 0.0
+    if c.group == "inter" or c.op == "allgather":
+        return sent, sent
+    # a node-major ring over all ranks: N of its W hops cross nodes
+    return sent, (sent * layout.nodes / layout.world if layout.nodes > 1 else 0.0)
+
+
+# ---------------------------------------------------------------- timing
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: latency per ring step and payload bandwidth (bytes/s) of its busiest hop."""
+
+    alpha_s: float
+    bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not self.bytes_per_s > 0 or self.alpha_s < 0:
+            raise ValueError(f"link: bandwidth must be > 0 and latency >= 0, got {self.bytes_per_s} B/s, "
+                             f"{self.alpha_s} s")
+
+
+def ring_allreduce_s(nbytes: float, p: int, link: Link) -> float:
+    """Ring allreduce of an nbytes buffer over p ranks: 2(p-1) steps, 2(p-1)/p of the buffer per link."""
+    if p <= 1:
+        return 0.0
+    return 2 * (p - 1) * link.alpha_s + 2 * (p - 1) / p * nbytes / link.bytes_per_s
+
+
+def reduce_scatter_s(nbytes: float, p: int, link: Link) -> float:
+    """Ring reduce-scatter of an nbytes buffer (each rank keeps 1/p): p-1 steps, (p-1)/p of the buffer."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) * link.alpha_s + (p - 1) / p * nbytes / link.bytes_per_s
+
+
+def allgather_s(payload_bytes: float, p: int, link: Link, sharing: int = 1) -> float:
+    """Ring allgather of one payload per rank over p ranks: p-1 steps, p-1 payloads through each link.
+
+    `sharing` groups run at once over the same link (hitopk: the L local ranks of a node share its NIC)."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) * link.alpha_s + sharing * (p - 1) * payload_bytes / link.bytes_per_s
+
+
+def hierarchical_allreduce_s(nbytes: float, nodes: int, per_node: int, intra: Link, inter: Link) -> float:
+    """NCCL-style 2-D allreduce: intra-node reduce-scatter, per_node parallel inter-node rings on 1/per_node
+    shards (sharing the NIC), intra-node allgather."""
+    inter_s = 0.0
+    if nodes > 1:
+        inter_s = 2 * (nodes - 1) * inter.alpha_s + 2 * (nodes - 1) / nodes * nbytes / inter.bytes_per_s
+    return reduce_scatter_s(nbytes, per_node, intra) + inter_s + allgather_s(nbytes / per_node, per_node, intra)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Local work of a sparse exchange: fixed seconds per call plus seconds per element selected from."""
+
+    fixed_s: float
+    per_element_s: float
+
+    def seconds(self, n: float) -> float:
+        return self.fixed_s + self.per_element_s * n if n else 0.0
+
+
+@dataclass
+class Network:
+    """The links an exchange runs over, as `collective_s` reads them.
+
+    links: "world" (an allreduce over all ranks; on a GPU cluster, with dense_algorithm hierarchical, the
+    intra and inter links instead), "world16" (the same on a 16-bit wire, if it differs), "world_gather"
+    (an allgather over all ranks, if it differs from "world"), "intra" and "inter" (each node's link; the L
+    local ranks' inter-node allgathers share it)."""
+
+    layout: Layout
+    links: dict[str, Link]
+    selection: Selection = field(default_factory=lambda: Selection(0.0, 0.0))
+    cast_per_element_s: float = 0.0
+    dense_algorithm: str = "ring"
+    """ring: one flat ring over all ranks (gloo); hierarchical: NCCL's 2-D allreduce."""
+    net_scale: float = 1.0
+    """Measured / modelled time of the collectives on the live cluster (contention with backward, drift)."""
+
+    def link(self, *names: str) -> Link:
+        for name in names:
+            if name in self.links:
+                return self.links[name]
+        raise KeyError(f"no link among {names}; known: {sorted(self.links)}")
+
+    def collective_s(self, c: Collective) -> float:
+        lay = self.layout
+        p = lay.group_size(c.group)
+        if p <= 1:
+            return 0.0
+        if c.op == "allreduce":
+            if self.dense_algorithm == "hierarchical" and "intra" in self.links and "inter" in self.links:
+                t = hierarchical_allreduce_s(c.nbytes, lay.nodes, lay.per_node, self.links["intra"],
+                                             self.links["inter"])
+            else:
+                names = ("world16", "world") if c.wire_bytes == 2 else ("world",)
+                t = ring_allreduce_s(c.nbytes, p, self.link(*names))
+        elif c.op == "reduce_scatter":
+            t = reduce_scatter_s(c.nbytes, p, self.link(c.group))
+        elif c.group == "inter":
+            t = allgather_s(c.nbytes, p, self.link("inter"), sharing=lay.per_node)
+        elif c.group == "world":
+            t = allgather_s(c.nbytes, p, self.link("world_gather", "inter", "world"))
+        else:
+            t = allgather_s(c.nbytes, p, self.link(c.group))
+        return t * self.net_scale
+
+    def network_s(self, ex: Exchange) -> float:
+        return sum(self.collective_s(c) for c in ex.collectives)
+
+    def local_s(self, ex: Exchange) -> float:
+        return self.selection.seconds(ex.select_elements) + self.cast_per_element_s * ex.cast_elements
+
+    def chain_s(self, ex: Exchange) -> float:
+        """Seconds of one bucket's chain: its collectives and its local work, one after the other."""
+        return self.network_s(ex) + self.local_s(ex)
+
+
+def overlap_step_s(forward_s: float, backward_s: float, ready: Sequence[float], chain_s: Sequence[float],
+                   cpu_s: float = 0.0, tail_s: float = 0.0) -> float:
+    """A step with the exchange overlapped with backward.
+
+    Bucket b's chain (chain_s[b] seconds) starts when backward has produced it (at forward_s + ready[b] x
+    backward_s) and after the chain of bucket b-1; the step ends when both the compute (plus `cpu_s` of
+    exchange work that competes with it for the same processor) and the last chain (plus `tail_s`, the
+    write-back after it) are done."""
+    end = 0.0
+    for seconds, at in zip(chain_s, ready):
+        end = max(end, forward_s + backward_s * at) + seconds
+    return max(forward_s + backward_s + cpu_s, end + tail_s)
+
+
+def exposed_s(ready_before_end: Sequence[float], chain_s: Sequence[float], cpu_s: float = 0.0) -> float:
+    """Seconds the optimizer waits after backward: chains start `ready_before_end[b]` seconds before
+    backward ends (in launch order, one at a time); `cpu_s` of work competing with backward delays it."""
+    return overlap_step_s(0.0, 0.0, [-r for r in ready_before_end], chain_s, cpu_s)
+
+
+def fit_link(points: Sequence[tuple[float, float]], rounds: float, volume: float) -> Link:
+    """Least-squares latency and bandwidth from measured (bytes, seconds): t = rounds a + volume bytes / bw.
+
+    volume: bytes through the busiest link per byte of the measured size (the formula's factor)."""
+    fixed, per = fit_affine([(volume * x, t) for x, t in points])
+    if per <= 0:  # times do not grow with size (noise at tiny sizes): latency only, a very fast link
+        per = 1e-12
+    return Link(fixed / rounds if rounds else 0.0, 1.0 / per)
+
+
+def fit_affine(xy: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares y = a + b x with a >= 0 (a negative intercept is refitted through the origin)."""
+    if not xy:
+        raise ValueError("fit_affine: no points")
+    xs, ys = [x for x, _ in xy], [y for _, y in xy]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    intercept = my - slope * mx
+    if intercept < 0:
+        slope, intercept = sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1e-30), 0.0
+    return intercept, slope
+
+
+def exchange_bytes(ex: Exchange, layout: Layout) -> tuple[float, float]:
+    """Bytes one rank sends in exchange `ex`: all links, and the inter-node share."""
+    sent = inter = 0.0
+    for c in ex.collectives:
+        s, i = sent_bytes(c, layout)
+        sent, inter = sent + s, inter + i
+    return sent, inter
+
+
+def layout_of(topo: object) -> Layout:
+    """The `Layout` of a `trainer.dist.Topology`."""
+    return Layout(int(topo.num_nodes), int(topo.ranks_per_node))
