@@ -1,187 +1,265 @@
-"""The time-to-accuracy bench: the baseline script on real gloo ranks, run folders of both sides read alike, the
-verdict (a ratio only when both sides reached the target), and the plot on recorded run folders."""
+"""The time-to-accuracy bench: the two-in-a-row target, paired ratios and their bootstrap interval on constructed
+inputs; a tiny variant of the task (4 classes from 2 photos); the baseline script on real gloo ranks; both sides'
+validation pixels; the bench's run control; the frozen configs."""
 
 import json
-import subprocess
+import math
 import sys
 from pathlib import Path
 
-import matplotlib.image
+import numpy as np
 import pytest
+import torch
+import yaml
 from PIL import Image
 
-from recipes.resnet50 import main as train_recipe
 from scripts import tta_baseline
-from scripts.bench.tta import Run, compare, emit, launch, read_run, report
-from scripts.plot_tta import first_reach, plot, read_curve
+from scripts.bench import tta
+from scripts.bench.tta import Run, bootstrap_interval, compare, launch, paired_ratio, plan, reached_at, read_run
+from scripts.make_tta_photos import VAL_SIDE, prepare, region_centres
 from tests.conftest import ROOT, run_ranks
-from tests.test_trainer import TINY, phases
 
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The task's generator at a tiny size: 2 photos x 2 regions = 4 classes, 8 training and 12 validation images."""
+    return prepare(tmp_path_factory.mktemp("tta_photos") / "data", train=8, val=12, regions=2, photo_limit=2)
+
+
+# ---------------------------------------------------------------- the statistics
+
+def test_target_needs_consecutive_evaluations():
+    top1 = [0.5, 0.91, 0.88, 0.90, 0.95, 0.97]
+    assert reached_at(top1, 0.9, 2) == 4  # the lucky 0.91 at index 1 is followed by 0.88: not yet
+    assert reached_at(top1, 0.9, 1) == 1
+    assert reached_at(top1, 0.9, 3) == 5
+    assert reached_at(top1, 0.96, 2) is None and reached_at([], 0.9, 2) is None
+    assert tta_baseline.target_reached_at(top1, 0.9, 2) == 4  # the baseline's own stop uses the same rule
+
+
+def test_paired_ratio_counts_a_miss_as_infinitely_slow():
+    assert paired_ratio(30.0, 60.0) == 0.5
+    assert paired_ratio(None, 60.0) == math.inf and paired_ratio(30.0, None) == 0.0
+    assert math.isnan(paired_ratio(None, None))
+
+
+def test_bootstrap_interval_is_exact_on_small_samples():
+    # Resamples of 3 values: the median is 1 with probability 7/27, 10 with 7/27: both beyond the 5% tails.
+    assert bootstrap_interval([1.0, 2.0, 10.0]) == (1.0, 10.0)
+    # Of 7 values: P(median <= 2nd smallest) = P(>= 4 of 7 draws among the 2 smallest) = 0.073 > 0.05, while
+    # P(median <= smallest) = 0.005: the 5% quantile is the 2nd smallest, by symmetry the 95% one the 6th.
+    assert bootstrap_interval([7.0, 1.0, 3.0, 5.0, 2.0, 6.0, 4.0]) == (2.0, 6.0)
+    assert bootstrap_interval([0.4] * 6) == (0.4, 0.4)
+    low, high = bootstrap_interval([0.3, 0.5, math.inf])  # a missed seed: the upper end is unbounded
+    assert low == 0.3 and high == math.inf
+    with pytest.raises(ValueError, match="no nan"):
+        bootstrap_interval([0.5, math.nan])
+
+
+def run(side: str, seed: int, tta_s: float | None) -> Run:
+    return Run(side=side, seed=seed, time_to_target_s=tta_s, epochs_to_target=None if tta_s is None else 4,
+               best_top1=0.95, epochs_run=6, process_s=(tta_s or 100.0) + 10, load_before=1.0, load_after=2.0,
+               run_dir=f"/runs/{side}{seed}")
+
+
+def test_compare_pairs_runs_by_seed_not_by_rank():
+    # Medians of the sides would give 50 / 120 = 0.417; the paired ratios are 0.4, 0.5, 0.15 -> 0.4.
+    runs = [run("baseline", 100, 100.0), run("recipe", 100, 40.0), run("recipe", 101, 60.0),
+            run("baseline", 101, 120.0), run("baseline", 102, 300.0), run("recipe", 102, 45.0)]
+    result = compare(runs)
+    assert result["seeds"] == [100, 101, 102] and result["ratios"] == [0.4, 0.5, 0.15]
+    assert result["ratio"] == 0.4 and result["missed"] == []
+    low, high = result["interval_90"]
+    assert low <= 0.4 <= high and low >= 0.15 and high <= 0.5
+
+
+def test_compare_with_a_missed_seed():
+    runs = [run("baseline", 100, 100.0), run("recipe", 100, None), run("baseline", 101, 100.0),
+            run("recipe", 101, 30.0), run("baseline", 102, 100.0), run("recipe", 102, 40.0)]
+    result = compare(runs)
+    assert result["ratios"] == [None, 0.3, 0.4] and result["ratio"] == 0.4  # the miss sorts last, not dropped
+    assert result["missed"] == ["recipe seed 100"] and result["interval_90"][1] is None  # unbounded above
+
+
+def test_compare_needs_both_sides_of_every_seed():
+    with pytest.raises(ValueError, match=r"incomplete: \[101\]"):
+        compare([run("baseline", 100, 1.0), run("recipe", 100, 1.0), run("baseline", 101, 1.0)])
+
+
+def test_sides_alternate_from_seed_to_seed():
+    assert plan(100, 3) == [(100, "baseline"), (100, "recipe"), (101, "recipe"), (101, "baseline"),
+                            (102, "baseline"), (102, "recipe")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--first-seed", "2"], "--first-seed must be >= 100"),
+    (["--tune", "baseline", "--tuning-seeds", "100"], "--tuning-seeds must be in 0..99"),
+    (["--tune", "recipe", "--set", "optim.lr"], "--set takes KEY=VALUE"),
+])
+def test_tuning_and_fresh_seeds_never_overlap(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        tta.main([*argv, "--results-dir", ""])
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the task
+
+def test_task_images(photos):
+    classes = sorted(p.name for p in (photos / "train").iterdir())
+    assert classes == ["000_astronaut_30", "001_astronaut_70", "002_brick_30", "003_brick_70"]
+    assert region_centres(2) == [(0.3, 0.5), (0.7, 0.5)]
+    train = sorted((photos / "train").rglob("*.JPEG"))
+    val = sorted((photos / "val").rglob("*.png"))
+    assert len(train) == 8 and len(val) == 12
+    for path in train:
+        with Image.open(path) as img:
+            assert img.format == "JPEG" and 300 <= min(img.size) and max(img.size) <= 500
+    for path in val:
+        with Image.open(path) as img:
+            assert img.format == "PNG" and img.size == (VAL_SIDE, VAL_SIDE) and img.mode == "RGB"
+
+
+def test_both_sides_evaluate_the_same_pixels(photos, tmp_path):
+    """The recipe's validation batches (DALI, through the cache, at the frozen config's sizes) equal the
+    baseline's (PIL + torchvision transforms) image by image."""
+    pytest.importorskip("nvidia.dali")
+    from data.cache import CacheConfig
+    from data.config import DataConfig
+    from data.dali_loader import DaliImageData
+
+    recipe = yaml.safe_load((ROOT / tta.RECIPE_CONFIG).read_text())
+    val_size = recipe["schedule"]["phases"][-1]["val_image_size"]
+    cfg = DataConfig(root=str(photos), workers=1, cache=CacheConfig(
+        dir=str(tmp_path / "cache"), ram=False, lowres_max_image_size=recipe["data"]["cache"]["lowres_max_image_size"]))
+    data = DaliImageData(cfg, rank=0, world_size=1, seed=0)
+    batches = list(data.val_loader(val_size, 5))
+    dali, dali_labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    args = tta_baseline.parse_args(["--config", tta.BASELINE_CONFIG, f"--data-path={photos}", "--workers=0"])
+    _, val_loader, classes = tta_baseline.load_data(args, rank=0, world=1)
+    base, base_labels = torch.cat([b[0] for b in val_loader]), torch.cat([b[1] for b in val_loader])
+    assert classes == 4 and dali.shape == base.shape == (12, 3, 64, 64)
+    assert torch.equal(dali_labels, base_labels)
+    assert (dali - base).abs().max() < 1e-5  # float rounding of the normalization only
+
+
+# ---------------------------------------------------------------- the baseline script
 
 def _baseline_runs(rank: int, world: int, runs: list[list[str]]) -> None:
     for argv in runs:
         tta_baseline.main(argv)
 
 
-def _recipe_rank(rank: int, world: int, argv: list[str]) -> None:
-    train_recipe(argv)
-
-
 @pytest.fixture(scope="module")
-def tiny_digits(tmp_path_factory: pytest.TempPathFactory, digits_root: Path) -> Path:
-    """4 training and 2 validation images per class of the real 16 px digits (3 of class 0: an odd count), 2 steps an
-    epoch at batch 16."""
-    root = tmp_path_factory.mktemp("tiny_digits")
-    for split, n in (("train", 4), ("val", 2)):
-        for folder in sorted((digits_root / split).iterdir()):
-            (root / split / folder.name).mkdir(parents=True)
-            for image in sorted(folder.iterdir())[:n + (split == "val" and folder.name == "0")]:
-                (root / split / folder.name / image.name).symlink_to(image)
-    return root
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, tiny_digits: Path) -> dict[str, Path]:
-    """Real run folders: the baseline on 2 gloo ranks (one stopped at an easy target, one that misses 100%) and the
-    recipe on 1 rank."""
-    root = tmp_path_factory.mktemp("tta")
-    common = [f"--data-path={tiny_digits}", "--model=resnet18", "--workers=0", "--batch-size=8", "--train-crop-size=16",
-              "--val-resize-size=18", "--val-crop-size=16", "--no-channels-last", "--lr=0.05"]
-    stopped = [*common, f"--output-dir={root / 'baseline'}", "--epochs=3", "--target-top1=1e-9"]  # met after epoch 1
+def baseline_runs(tmp_path_factory: pytest.TempPathFactory, photos: Path) -> dict[str, Path]:
+    """The baseline on 2 gloo ranks with the frozen config at 16 px: one that meets an easy target twice in a row
+    and stops, one that misses 100%."""
+    root = tmp_path_factory.mktemp("tta_baseline")
+    common = ["--config", tta.BASELINE_CONFIG, f"--data-path={photos}", "--workers=0", "--batch-size=2",
+              "--train-crop-size=16", "--val-resize-size=18", "--val-crop-size=16", "--norm-weight-decay=0",
+              "--label-smoothing=0.1"]
+    stopped = [*common, f"--output-dir={root / 'stopped'}", "--epochs=4", "--target-top1=1e-9",
+               "--target-consecutive=2"]
     missed = [*common, f"--output-dir={root / 'missed'}", "--epochs=2", "--target-top1=1.0"]
-    (root / "baseline_group").mkdir()
-    run_ranks(_baseline_runs, 2, root / "baseline_group", [stopped, missed])
-    recipe = ["--config", "configs/quickstart_cpu.yaml", f"data.root={tiny_digits}", f"log.dir={root / 'recipe'}",
-              "train.epochs=2", phases(2), "train.target_top1=1e-9", "train.stop_at_target=false",
-              "train.checkpoint_every_epochs=0", "data.cache.dir=", *[a for a in TINY if not a.startswith("log.tensor")],
-              "log.tensorboard=false"]
-    (root / "recipe_group").mkdir()
-    run_ranks(_recipe_rank, 1, root / "recipe_group", recipe)
-    return {"baseline": root / "baseline", "missed": root / "missed", "recipe": root / "recipe"}
+    (root / "group").mkdir()
+    run_ranks(_baseline_runs, 2, root / "group", [stopped, missed])
+    return {"stopped": root / "stopped", "missed": root / "missed"}
 
 
-def test_baseline_logs_every_epoch_and_stops_at_the_target(runs):
-    records = [json.loads(line) for line in (runs["baseline"] / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in records] == [0]  # --epochs 3, stopped after the first evaluation at the target
-    summary = json.loads((runs["baseline"] / "summary.json").read_text())
-    assert summary["epochs_run"] == 1 and summary["world_size"] == 2
-    assert summary["time_to_target_s"] == records[0]["time/elapsed_s"] > 0
-    assert records[0]["eval/images"] == 21  # each validation image once across the 2 ranks: no padding to 22
+def test_baseline_stops_at_the_second_evaluation_at_the_target(baseline_runs):
+    records = [json.loads(line) for line in (baseline_runs["stopped"] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0, 1]  # --epochs 4, stopped after two evaluations at the target
+    summary = json.loads((baseline_runs["stopped"] / "summary.json").read_text())
+    assert summary["epochs_run"] == 2 and summary["world_size"] == 2 and summary["target_consecutive"] == 2
+    assert summary["time_to_target_s"] == records[1]["time/elapsed_s"] > records[0]["time/elapsed_s"]
+    assert records[0]["eval/images"] == 12  # each validation image once across the 2 ranks
+    args = json.loads((baseline_runs["stopped"] / "args.json").read_text())
+    assert args["lr"] == "0.05" and args["norm_weight_decay"] == "0.0" and args["channels_last"] == "False"
 
 
-def test_baseline_that_misses_runs_its_schedule(runs):
-    summary = json.loads((runs["missed"] / "summary.json").read_text())
-    assert summary["time_to_target_s"] is None and summary["epochs_run"] == 2 and len(summary["history"]) == 2
+def test_bench_reads_baseline_run_folders(baseline_runs):
+    got = read_run("baseline", 0, baseline_runs["stopped"], 1e-9, 2, 5.0, 1.0, 1.0)
+    assert got.reached and got.epochs_to_target == 2 and got.epochs_run == 2
+    missed = read_run("baseline", 1, baseline_runs["missed"], 1.0, 2, 5.0, 1.0, 1.0)
+    assert not missed.reached and missed.epochs_run == 2 and missed.time_to_target_s is None
 
 
-def test_both_sides_run_folders_read_alike(runs):
-    base = read_run("baseline", 0, runs["baseline"], process_s=5.0)
-    assert base.reached and base.epochs_to_target == 1 and base.epochs_run == 1
-    recipe = read_run("recipe", 0, runs["recipe"], process_s=6.0)
-    assert recipe.reached and recipe.epochs_to_target == 1 and recipe.epochs_run == 2  # trained on past the target
-    missed = read_run("baseline", 1, runs["missed"], process_s=5.0)
-    assert not missed.reached and missed.time_to_target_s is None and missed.epochs_to_target is None
+def test_norm_weight_decay_splits_batchnorm_parameters():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Linear(4, 2))
+    args = tta_baseline.parse_args(["--norm-weight-decay=0", "--wd=0.01"])
+    rest, norm = tta_baseline.param_groups(model, args)
+    assert norm["weight_decay"] == 0.0 and rest["weight_decay"] == 0.01
+    assert {id(p) for p in norm["params"]} == {id(model[1].weight), id(model[1].bias)} and len(rest["params"]) == 4
+    assert len(tta_baseline.param_groups(model, tta_baseline.parse_args([]))) == 1
 
 
-def test_missing_summary_names_the_run_and_its_log(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"summary.json: not found; the recipe run failed \(its log is "):
-        read_run("recipe", 0, tmp_path, process_s=1.0)
+def test_baseline_config_file(tmp_path, capsys):
+    args = tta_baseline.parse_args(["--config", tta.BASELINE_CONFIG, "--lr=0.3"])
+    assert args.lr == 0.3 and args.data_path == Path("datasets/tta_photos") and args.batch_size == 32
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lr: 0.1\nwarmup: 2\n")
+    with pytest.raises(SystemExit):
+        tta_baseline.parse_args(["--config", str(bad)])
+    assert "unknown option(s) warmup" in capsys.readouterr().err
 
 
-def run(side: str, seed: int, tta: float | None, final: float = 0.985) -> Run:
-    return Run(side=side, seed=seed, reached=tta is not None, time_to_target_s=tta,
-               epochs_to_target=4 if tta is not None else None, final_top1=final, best_top1=final, epochs_run=6,
-               process_s=(tta or 100.0) + 10, run_dir=f"/runs/{side}{seed}")
+# ---------------------------------------------------------------- running a side
+
+FAKE_TRAINER = """
+import json, sys, time
+from pathlib import Path
+log = open(Path(sys.argv[1]) / "metrics.jsonl", "a", buffering=1)
+for epoch, top1 in enumerate([0.5, 0.95, 0.8, 0.95, 0.96] + [0.97] * 10000):
+    log.write(json.dumps({"kind": "epoch", "epoch": epoch, "eval/top1": top1, "time/elapsed_s": epoch + 1.0}) + "\\n")
+    time.sleep(0.2)
+"""
 
 
-def test_ratio_is_the_median_recipe_time_over_the_median_baseline_time(capsys):
-    runs = [run("baseline", 0, 100.0), run("recipe", 0, 40.0), run("baseline", 1, 120.0), run("recipe", 1, 50.0),
-            run("baseline", 2, 300.0), run("recipe", 2, 45.0)]
-    result = compare(runs)
-    assert result["baseline_s"] == 120.0 and result["recipe_s"] == 45.0 and result["ratio"] == 0.375
-    assert result["baseline_reached"] == result["recipe_reached"] == "3/3"
-    report(runs, 0.98)
-    emit(result, target_top1=0.98)
-    out = capsys.readouterr().out.splitlines()
-    assert "45.0 s / 120.0 s = 0.375" in "\n".join(out)
-    last = json.loads(out[-1])  # the very last line is the JSON object, ratio last
-    assert last["bench"] == "tta" and list(last)[-1] == "ratio" and last["ratio"] == 0.375
-
-
-def test_a_side_that_missed_the_target_gets_no_ratio(capsys):
-    runs = [run("baseline", 0, None, final=0.975), run("recipe", 0, 40.0)]
-    result = compare(runs)
-    assert result["ratio"] is None and result["baseline_s"] is None and result["baseline_reached"] == "0/1"
-    assert result["recipe_s"] == 40.0 and result["baseline_final_top1"] == 0.975
-    report(runs, 0.98)
-    emit(result)
-    out = capsys.readouterr().out
-    assert "not reached" in out and "no ratio: baseline did not reach 98% top-1 in every run" in out
-    assert json.loads(out.splitlines()[-1])["ratio"] is None
-
-
-def test_compare_needs_both_sides():
-    with pytest.raises(ValueError, match="no recipe runs to compare"):
-        compare([run("baseline", 0, 10.0)])
+def test_launch_ends_a_run_once_it_reached_the_target(tmp_path):
+    run_dir = tmp_path / "run"
+    launch([sys.executable, "-c", FAKE_TRAINER, str(run_dir)], run_dir, 0.9, 2)  # would write records for ~30 min
+    got = read_run("recipe", 0, run_dir, 0.9, 2, 1.0, 1.0, 1.0)
+    assert got.epochs_to_target == 5 and got.time_to_target_s == 5.0 and got.epochs_run < 100
 
 
 def test_a_failed_launch_shows_the_command_status_and_log_tail(tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('rank 0: out of memory'); sys.exit(3)"]
     with pytest.raises(RuntimeError, match=r"(?s)exited with status 3; last lines of .*train.log:\nrank 0: out of mem"):
-        launch(cmd, tmp_path / "run")
+        launch(cmd, tmp_path / "run", 0.9, 2)
+    with pytest.raises(FileNotFoundError, match="no evaluated epoch; the recipe run failed"):
+        read_run("recipe", 0, tmp_path / "run", 0.9, 2, 1.0, 1.0, 1.0)
 
 
-def test_first_reach():
-    assert first_reach([1.0, 2.0, 3.0], [0.5, 0.98, 0.99], 0.98) == 2.0
-    assert first_reach([1.0, 2.0], [0.5, 0.9], 0.98) is None
-    assert first_reach([1.0], [0.5], None) is None
+def test_tuning_history_is_data(tmp_path):
+    path = tmp_path / "tuning.json"
+    tta.append_tuning([run("baseline", 0, 50.0)], "baseline", ["lr=0.1"], 0.9, 2, path)
+    tta.append_tuning([run("baseline", 1, None)], "baseline", ["lr=0.1"], 0.9, 2, path)
+    history = json.loads(path.read_text())
+    assert [(h["seed"], h["time_to_target_s"], h["overrides"]) for h in history] == [(0, 50.0, ["lr=0.1"]),
+                                                                                    (1, None, ["lr=0.1"])]
 
 
-def test_plot_draws_recorded_runs_of_both_sides(runs, tmp_path):
-    png = plot([runs["baseline"], runs["recipe"], runs["missed"]], tmp_path / "tta.png", target=0.98,
-               labels=["baseline", "recipe", "baseline, missed"], colors=["tab:blue", "tab:orange", "tab:blue"])
-    height, width, _ = matplotlib.image.imread(png).shape
-    assert (width, height) == (840, 540)  # 7 x 4.5 inches at 120 dpi
+# ---------------------------------------------------------------- the frozen configs
 
-
-def test_plotted_points_are_the_runs_evaluations(runs):
-    """Each curve is its run's evaluated epochs, as the run's summary.json records them (both sides)."""
-    for side in ("baseline", "recipe", "missed"):
-        history = json.loads((runs[side] / "summary.json").read_text())["history"]
-        assert len(history) >= 1
-        assert read_curve(runs[side], "top1") == ([h["time/elapsed_s"] for h in history],
-                                                  [h["eval/top1"] for h in history]), side
-
-
-def test_plot_cli_on_run_folders(runs, tmp_path):
-    out = tmp_path / "cli.png"
-    done = subprocess.run([sys.executable, "scripts/plot_tta.py", str(runs["baseline"]), str(runs["recipe"]),
-                           "--labels", "baseline", "recipe", "--out", str(out)], cwd=ROOT, check=True,
-                          capture_output=True, text=True)
-    assert done.stdout.strip() == str(out)
-    with Image.open(out) as png:
-        assert png.format == "PNG" and png.size == (840, 540)  # 7 x 4.5 inches at 120 dpi
-        png.load()  # the whole image decodes
-
-
-def test_plot_needs_one_label_and_colour_per_run(runs, tmp_path):
-    with pytest.raises(ValueError, match=r"--labels: 1 given for 2 run\(s\)"):
-        plot([runs["baseline"], runs["recipe"]], tmp_path / "x.png", labels=["only one"])
-    with pytest.raises(ValueError, match=r"--colors: 3 given for 2 run\(s\)"):
-        plot([runs["baseline"], runs["recipe"]], tmp_path / "x.png", colors=["red", "red", "blue"])
-
-
-def test_recipe_config_matches_the_bench():
+def test_frozen_configs_compare_like_with_like():
     from recipes.resnet50 import Config
-    from scripts.bench.tta import BASELINE_ARGS, DATA, RECIPE_CONFIG, TARGET_TOP1
     from trainer.config import load_config
 
-    cfg = load_config(Config, RECIPE_CONFIG)
-    assert cfg.schedule.phases[-1].end_epoch == cfg.train.epochs and cfg.train.target_top1 == TARGET_TOP1
-    baseline = dict(zip(BASELINE_ARGS[::2], BASELINE_ARGS[1::2]))
-    # Same data, model, global batch (2 ranks) and augmentation; the baseline's fixed size is the recipe's last.
-    assert cfg.data.root == baseline["--data-path"] == str(DATA) and cfg.model.arch == baseline["--model"]
-    assert {p.batch_size for p in cfg.schedule.phases} == {2 * int(baseline["--batch-size"])}
-    assert cfg.data.min_scale == float(baseline["--min-scale"]) and cfg.data.hflip == (baseline["--hflip-prob"] == "0.5")
-    assert cfg.schedule.phases[-1].image_size == int(baseline["--train-crop-size"])
-    assert int(baseline["--epochs"]) >= cfg.train.epochs and cfg.data.cache.lowres_max_image_size >= 64
+    cfg = load_config(Config, tta.RECIPE_CONFIG)
+    base = yaml.safe_load((ROOT / tta.BASELINE_CONFIG).read_text())
+    assert cfg.data.root == base["data-path"] == str(tta.DATA) and cfg.model.arch == base["model"]
+    assert {p.batch_size for p in cfg.schedule.phases} == {2 * base["batch-size"]}  # 2 ranks
+    assert cfg.data.min_scale == base["min-scale"] and cfg.data.hflip == (base["hflip-prob"] == 0.5)
+    assert cfg.data.workers == base["workers"]
+    # Validation: the same size at every phase, the same resize, never from the recipe's low-res copies.
+    assert {p.val_image_size for p in cfg.schedule.phases} == {base["val-crop-size"]}
+    assert round(base["val-crop-size"] * cfg.data.val_resize_ratio) == base["val-resize-size"] == VAL_SIDE
+    assert cfg.data.cache.lowres_max_image_size < base["val-crop-size"]
+    assert not 0 < cfg.data.rect_val_from_size <= base["val-crop-size"]  # square crops, as the baseline's
+    assert cfg.schedule.phases[-1].end_epoch == cfg.train.epochs
+
+
+def test_result_line_carries_both_configs():
+    got = tta.configs()
+    assert got["baseline_config"]["file"] == tta.BASELINE_CONFIG and "lr" in got["baseline_config"]
+    assert got["recipe_config"]["file"] == tta.RECIPE_CONFIG and "schedule" in got["recipe_config"]
+    assert np.isfinite(got["baseline_config"]["lr"])

@@ -1,194 +1,223 @@
-"""Time to accuracy: our recipe against a torchvision-reference-style baseline, same data, model, processes, target.
+"""Time to accuracy: our recipe against the torchvision reference recipe, each tuned alike, on fresh seeds.
 
-    python -m scripts.bench.tta [--quick] [--seeds N] [--target 0.98] [--out runs/bench_tta]
+    python -m scripts.bench.tta [--quick] [--seeds 6] [--first-seed 100] [--out runs/bench_tta]
+    python -m scripts.bench.tta --tune baseline --set lr=0.05 --set lr-warmup-epochs=0 [--tuning-seeds 0]
+    python -m scripts.bench.tta --tune recipe --set optim.lr=0.3 [--tuning-seeds 0]
 
-Both sides train torchvision's ResNet-18 from scratch with 2 processes (torchrun, gloo, 1 CPU thread each) on
-datasets/imagenet_like (scripts/make_imagenet_like.py: 3,000 training and 500 held-out real-photo JPEGs of
-300-500 px, 10 classes), with the same augmentation (random-resized crop, area 0.35-1, flips), the same global
-batch (64) and one input worker per rank, each to 98% top-1 on the held-out split:
-  (a) baseline: scripts/tta_baseline.py, written as users of torchvision's reference classification
-      script train: ImageFolder + DataLoader (JPEGs decoded by PIL every epoch), a fixed 64 px crop, SGD
-      momentum 0.9 with weight decay 1e-4 on everything, lr 0.025 (the reference's 0.1 per 256 images), 1
-      warm-up epoch then cosine over 10 epochs (set per epoch), DDP dense allreduce, no cache, no fused
-      optimizer, no label smoothing;
-  (b) recipe: `recipes.resnet50` with configs/tta_recipe_cpu.yaml: DALI (CPU mode) behind the multi-level
-      cache, starting empty each run (epoch 1 decodes every JPEG once into the 146 px low-res level, so the
-      64 px crops are downsampled as the baseline's are; every later epoch reads pre-decoded pixels),
-      progressive resizing 32 px (3 epochs) -> 48 (3) -> 64 (4), fused LARS (lr 0.2), label smoothing 0.1,
-      zero-init residuals, hitopk (1% of each bucket sent sparse), contiguous (NCHW) tensors, convolutions on
-      1x1 and 2x2 maps as GEMMs (kernels/small_conv.py), 10 epochs; bf16 autocast where the CPU computes
-      bf16 natively (AVX512-BF16 or AMX: the CPU's counterpart of the cluster recipe's fp16), fp32 elsewhere
-      (emulated bf16 is many times slower). The reference script's --amp is CUDA autocast, so its users
-      train in fp32 on a CPU.
-Each side's lr and image sizes (the recipe's phases too) were chosen by a sweep on this data (git history has
-its record); the choices live in BASELINE_ARGS and configs/tta_recipe_cpu.yaml.
---quick: one run per side (seed 0), each stopped at the target (DAWNBench style). Full size: 3 runs per side
-(seeds 0-2, sides alternating first), full schedules, so the final accuracies are after all 10 epochs.
-Reported: the median time to target per side, the ratio recipe / baseline (only when every run of both sides
-reached the target; otherwise the side is reported as not reaching it), best and final top-1, and a PNG of all
-curves.
+The task (scripts/make_tta_photos.py, written to datasets/tta_photos if missing): 40 classes, two overlapping
+regions of each of 20 real photographs (18 of scikit-image's, scikit-learn's 2), 2,000 training JPEGs of 300-500
+px, 2,000 validation images stored as 73 px PNGs, so both sides evaluate the same decoded pixels at the same
+resolution (shorter side 73 px, the identity resize, then a 64 px center crop). ResNet-18 from scratch, 2
+processes (torchrun, gloo, 1 CPU thread each), global batch 64, one input worker per rank, the same
+augmentation (random-resized crop, area 0.35-1, flips).
+
+The target: TARGET_TOP1 top-1 on the validation split at TARGET_CONSECUTIVE evaluations in a row, the clock read at
+the last of them, so one lucky epoch cannot cross it. Once a run has reached it the bench ends the run (the
+baseline stops itself; the recipe's trainer is stopped by the bench, after its epoch record is written).
+
+The sides, each a frozen config tuned on tuning seeds with the same number of runs (docs/results/tta_tuning.json
+holds every tuning run as data):
+  (a) baseline: scripts/tta_baseline.py --config configs/tta_baseline_cpu.yaml, the torchvision reference recipe
+      (ImageFolder + DataLoader, PIL decodes every JPEG every epoch, one fixed image size, SGD + warm-up + cosine,
+      DDP dense allreduce, fp32: the reference's --amp is CUDA-only), swept over the reference's flags: lr,
+      epochs, --lr-warmup-epochs, --label-smoothing, --norm-weight-decay, memory format;
+  (b) recipe: `recipes.resnet50 --config configs/tta_recipe_cpu.yaml` (DALI CPU mode behind the multi-level cache,
+      empty at the start of each run so its fill is timed; progressive resizing; LARS; label smoothing; hitopk),
+      swept over its lr, epochs, label smoothing and phase table; bf16 autocast only where the CPU computes bf16
+      natively (else train.amp=off: emulated bf16 is many times slower).
+
+Evaluation: fresh seeds (FRESH_SEEDS_FROM on; the tuning seeds are below it), the sides alternating which goes
+first from seed to seed so that drift in the machine's load falls on both; per seed the paired ratio recipe time
+/ baseline time; reported: the median of the paired ratios and a bootstrap 90% interval of that median (resampled
+seeds). A side that misses the target in a seed counts as infinitely slow there. The 1-minute load average is
+recorded before and after every run. `--quick`: 2 fresh seeds; the full run: 6.
 
 Timing, alike for both sides: each script's clock starts before its first epoch, once the process group, the
-model and the dataset listing exist, and stops at the end of the first evaluation at or above the target.
-Inside it: data loading and decoding, DataLoader worker / DALI pipeline start-up, the recipe's cache fill,
-every epoch's evaluation of all 500 images. Not inside it, on either side: interpreter and library imports,
-process-group set-up, teardown; those are in the "process wall" column (the whole torchrun, start to exit).
-No checkpoints on either side. The JPEGs are read once beforehand, so both sides find them in the page cache.
-Both sides' run folders are read by trainer.dawnbench.read_summary.
-
-Why this data and target. On the digits (8x8 scans upscaled to 64 px JPEGs) the recipe's levers have nothing
-to act on: decoding is negligible, the information is 8x8 so a fair baseline trains at a tiny size where
-ResNet steps cost about the same at 24 and 32 px (per-layer overhead, not pixels), and on one box a dense
-allreduce between 2 processes is cheaper than hitopk's selection. The ImageNet-like set has what ImageNet has
-and the recipe is for: large JPEGs whose decoding costs CPU every epoch, and accuracy that needs resolution,
-so small early epochs are cheaper but not free of cost in accuracy. 98% top-1 (490 of 500) is above what the
-baseline holds once it first nears it, and within reach of both sides in 10 epochs.
+model and the dataset listing exist; data loading and decoding, input-pipeline start-up, the recipe's cache fill
+and every evaluation of all 2,000 images are inside it. Imports, process-group set-up and teardown are not
+(they are in the "process wall" column). No checkpoints on either side. The JPEGs are read once beforehand, so
+both sides find them in the page cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import platform
-import shutil
-import statistics
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+import yaml
+
+from scripts.bench import common
 from scripts.bench.common import print_table
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDES = ("baseline", "recipe")
 SIDE_COLORS = {"baseline": "tab:blue", "recipe": "tab:orange"}
-BASELINE = "torchvision reference-style (ImageFolder + DataLoader, fixed size, SGD + cosine, DDP dense)"
-DATA = Path("datasets/imagenet_like")  # written by scripts/make_imagenet_like.py if missing
-TARGET_TOP1 = 0.98
+BASELINE = "torchvision reference recipe (ImageFolder + DataLoader, fixed size, SGD + cosine, DDP dense), tuned alike"
+DATA = Path("datasets/tta_photos")  # written by scripts/make_tta_photos.py if missing
+TARGET_TOP1 = 0.9
+TARGET_CONSECUTIVE = 2
 RECIPE_CONFIG = "configs/tta_recipe_cpu.yaml"
-# The baseline's settings (see the docstring); everything but lr and epochs equals the recipe's data section.
-BASELINE_ARGS = ("--data-path", str(DATA), "--model", "resnet18", "--batch-size", "32", "--workers", "1",
-                 "--lr", "0.025", "--epochs", "10", "--lr-warmup-epochs", "1", "--train-crop-size", "64",
-                 "--val-resize-size", "73", "--val-crop-size", "64", "--min-scale", "0.35", "--hflip-prob", "0.5")
+BASELINE_CONFIG = "configs/tta_baseline_cpu.yaml"
+FRESH_SEEDS_FROM = 100  # seeds below are tuning seeds
+QUICK_SEEDS, FULL_SEEDS = 2, 6
+TUNING_FILE = common.RESULTS_DIR / "tta_tuning.json"
 RAM_DIR = "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 
-@dataclass(frozen=True)
+# ---------------------------------------------------------------- the statistics
+
+def reached_at(top1: Sequence[float], target: float, consecutive: int) -> int | None:
+    """Index of the evaluation that completes the first run of `consecutive` evaluations at or above `target`."""
+    streak = 0
+    for i, acc in enumerate(top1):
+        streak = streak + 1 if acc >= target else 0
+        if streak >= consecutive:
+            return i
+    return None
+
+
+def paired_ratio(recipe_s: float | None, baseline_s: float | None) -> float:
+    """recipe / baseline time to target in one seed; a side that missed counts as infinitely slow (both: nan)."""
+    recipe, baseline = (math.inf if t is None else t for t in (recipe_s, baseline_s))
+    if math.isinf(recipe) and math.isinf(baseline):
+        return math.nan
+    return 0.0 if math.isinf(baseline) else recipe / baseline
+
+
+def bootstrap_interval(values: Sequence[float], level: float = 0.9, resamples: int = 10_000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median: resample the values with replacement, take each resample's
+    median, and return the (1 - level) / 2 and (1 + level) / 2 order statistics of those medians."""
+    data = np.asarray(values, dtype=np.float64)
+    if data.size == 0 or np.isnan(data).any():
+        raise ValueError("bootstrap_interval: needs at least one value and no nan")
+    rng = np.random.default_rng(seed)
+    medians = np.sort(np.median(data[rng.integers(0, data.size, size=(resamples, data.size))], axis=1))
+    low = medians[int(math.floor((1 - level) / 2 * resamples))]
+    high = medians[min(resamples - 1, int(math.ceil((1 + level) / 2 * resamples)) - 1)]
+    return float(low), float(high)
+
+
+def finite_or_none(x: float) -> float | None:
+    return None if math.isinf(x) or math.isnan(x) else round(x, 3)
+
+
+# ---------------------------------------------------------------- one run
+
+@dataclass
 class Run:
-    """One training run as the bench saw it: the run folder's summary.json plus the process's wall time."""
+    """One training run as the bench saw it: its epoch records, the target rule, the process's wall time."""
 
     side: str
     seed: int
-    reached: bool
     time_to_target_s: float | None
     epochs_to_target: int | None
-    final_top1: float
     best_top1: float
     epochs_run: int
     process_s: float
+    load_before: float
+    load_after: float
     run_dir: str
+    top1: list[float] = field(default_factory=list)
+    elapsed_s: list[float] = field(default_factory=list)
+
+    @property
+    def reached(self) -> bool:
+        return self.time_to_target_s is not None
 
 
-def read_run(side: str, seed: int, run_dir: Path, process_s: float) -> Run:
-    """A Run from `run_dir/summary.json` (written alike by the recipe's trainer and by tta_baseline.py), read by
-    trainer.dawnbench.read_summary."""
-    from trainer.dawnbench import read_summary
-
-    path = run_dir / "summary.json"
+def epoch_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's per-epoch evaluation records from metrics.jsonl, by epoch (the trainer's and the baseline's)."""
+    path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found; the {side} run failed (its log is {run_dir / 'train.log'})")
-    s = read_summary(run_dir, ("final_top1",))
-    return Run(side=side, seed=seed, reached=s.reached, time_to_target_s=s.time_to_target_s,
-               epochs_to_target=s.epochs_to_target, final_top1=s["final_top1"], best_top1=s.best("top1"),
-               epochs_run=s["epochs_run"], process_s=process_s, run_dir=str(run_dir))
+        return []
+    by_epoch: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line still being written
+            continue
+        if rec.get("kind") == "epoch" and "eval/top1" in rec:
+            by_epoch[int(rec["epoch"])] = rec
+    return [by_epoch[e] for e in sorted(by_epoch)]
 
 
-def compare(runs: Sequence[Run]) -> dict[str, Any]:
-    """Per side: median time to target over its runs (None if any run missed it), median final top-1, and the ratio
-    recipe / baseline, which exists only when every run of both sides reached the target."""
-    out: dict[str, Any] = {}
-    for side in SIDES:
-        mine = [r for r in runs if r.side == side]
-        if not mine:
-            raise ValueError(f"no {side} runs to compare")
-        reached = all(r.reached for r in mine)
-        out[f"{side}_s"] = round(statistics.median(r.time_to_target_s for r in mine), 1) if reached else None
-        out[f"{side}_reached"] = f"{sum(r.reached for r in mine)}/{len(mine)}"
-        out[f"{side}_epochs"] = statistics.median(r.epochs_to_target for r in mine) if reached else None
-        out[f"{side}_final_top1"] = round(statistics.median(r.final_top1 for r in mine), 4)
-        out[f"{side}_process_s"] = round(statistics.median(r.process_s for r in mine), 1)
-    both = out["baseline_s"] is not None and out["recipe_s"] is not None
-    out["ratio"] = round(out["recipe_s"] / out["baseline_s"], 3) if both else None
-    return out
+def read_run(side: str, seed: int, run_dir: Path, target: float, consecutive: int, process_s: float,
+             load_before: float, load_after: float) -> Run:
+    """A Run from `run_dir/metrics.jsonl`, the time to target by `reached_at`."""
+    records = epoch_records(run_dir)
+    if not records:
+        raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'}: no evaluated epoch; the {side} run failed "
+                                f"(its log is {run_dir / 'train.log'})")
+    top1 = [float(r["eval/top1"]) for r in records]
+    elapsed = [float(r["time/elapsed_s"]) for r in records]
+    at = reached_at(top1, target, consecutive)
+    return Run(side=side, seed=seed, time_to_target_s=None if at is None else round(elapsed[at], 1),
+               epochs_to_target=None if at is None else at + 1, best_top1=max(top1), epochs_run=len(records),
+               process_s=round(process_s, 1), load_before=load_before, load_after=load_after, run_dir=str(run_dir),
+               top1=top1, elapsed_s=elapsed)
 
 
-def report(runs: Sequence[Run], target: float) -> None:
-    """The per-run table and the verdict line."""
-    rows = [[r.side, r.seed, f"{r.time_to_target_s:.1f}" if r.reached else "not reached",
-             r.epochs_to_target if r.reached else "-", f"{100 * r.best_top1:.2f}", f"{100 * r.final_top1:.2f}",
-             r.epochs_run, f"{r.process_s:.1f}"] for r in runs]
-    print_table(["side", "seed", f"time to {100 * target:g}% (s)", "epochs to target", "best top-1 %",
-                 "final top-1 %", "epochs run", "process wall (s)"], rows)
-    result = compare(runs)
-    if result["ratio"] is None:
-        missed = [side for side in SIDES if result[f"{side}_s"] is None]
-        print(f"no ratio: {' and '.join(missed)} did not reach {100 * target:g}% top-1 in every run")
-    else:
-        print(f"recipe / baseline time to {100 * target:g}% top-1 (median of {len(runs) // 2} run(s) each): "
-              f"{result['recipe_s']:.1f} s / {result['baseline_s']:.1f} s = {result['ratio']:.3f}")
-
-
-def emit(result: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    """The bench's last line: one JSON object (ratio null when a side missed the target)."""
-    line = {"bench": "tta", "baseline": BASELINE, **fields, **{k: v for k, v in result.items() if k != "ratio"},
-            "ratio": result.get("ratio")}
-    print(json.dumps(line))
-    return line
-
-
-# ---------------------------------------------------------------- running the two sides
-
-def torchrun(nproc: int) -> list[str]:
-    # --standalone: a free local port per run, so concurrent benches and tests never collide.
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-
-
-def warm_page_cache(root: Path) -> int:
-    """Read every file of the dataset once, so that neither side pays for cold disk reads (bytes read)."""
-    return sum(len(p.read_bytes()) for p in root.rglob("*") if p.is_file() and ".cache" not in p.parts)
-
-
-def launch(cmd: list[str], run_dir: Path) -> float:
-    """Run one training (its output to run_dir/train.log); the process's wall seconds, start to exit."""
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # a fresh folder: no earlier run's metrics or checkpoints mixed in
-    run_dir.mkdir(parents=True)
+def launch(cmd: list[str], run_dir: Path, target: float, consecutive: int) -> float:
+    """Run one training (output to run_dir/train.log) until it exits or has reached the target, then end it
+    (its process group); the process's wall seconds."""
+    run_dir.mkdir(parents=True, exist_ok=False)
     start = time.perf_counter()
     with open(run_dir / "train.log", "w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stopped = False
+        while proc.poll() is None:
+            time.sleep(0.5)
+            top1 = [float(r["eval/top1"]) for r in epoch_records(run_dir)]
+            if reached_at(top1, target, consecutive) is not None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the time is recorded; the rest of the schedule is not needed
+                proc.wait()
+                stopped = True
     seconds = time.perf_counter() - start
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not stopped:
         tail = "".join((run_dir / "train.log").read_text().splitlines(keepends=True)[-15:])
         raise RuntimeError(f"{' '.join(cmd)}\nexited with status {proc.returncode}; last lines of "
                            f"{run_dir / 'train.log'}:\n{tail}")
     return seconds
 
 
-def recipe_cmd(config: str, run_dir: Path, disk: Path, ram: Path, seed: int, stop: bool,
-               overrides: Sequence[str]) -> list[str]:
-    """The recipe on fresh, empty cache folders (L1/L3 on disk, the L2 file in RAM): filling them is timed."""
+def torchrun(nproc: int) -> list[str]:
+    # --standalone: a free local port per run, so concurrent benches and tests never collide.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+
+
+def baseline_cmd(config: str, run_dir: Path, seed: int, target: float, consecutive: int,
+                 overrides: Sequence[str] = ()) -> list[str]:
+    """Overrides are `option=value` with the script's option names (lr-warmup-epochs=0, channels-last=true)."""
+    flags = []
+    for item in overrides:
+        key, value = item.split("=", 1)
+        if value.lower() in ("true", "false"):  # BooleanOptionalAction options
+            flags.append(f"--{key}" if value.lower() == "true" else f"--no-{key}")
+        else:
+            flags.append(f"--{key}={value}")
+    return [*torchrun(2), str(ROOT / "scripts" / "tta_baseline.py"), "--config", config, f"--output-dir={run_dir}",
+            f"--seed={seed}", f"--target-top1={target}", f"--target-consecutive={consecutive}", *flags]
+
+
+def recipe_cmd(config: str, run_dir: Path, disk: Path, ram: Path, seed: int, target: float,
+               overrides: Sequence[str] = ()) -> list[str]:
+    """The recipe on fresh, empty cache folders (L1/L3 on disk, the L2 file in RAM): filling them is timed. The
+    trainer's own stop (first evaluation at the target) is off: the bench applies the consecutive rule."""
     return [*torchrun(2), "-m", "recipes.resnet50", "--config", config, f"log.dir={run_dir}",
             f"data.cache.dir={disk}", f"data.cache.ram_dir={ram}", f"train.seed={seed}",
-            f"train.stop_at_target={str(stop).lower()}", "log.progress=false", *overrides]
-
-
-def baseline_cmd(args: Sequence[str], run_dir: Path, seed: int, target: float, stop: bool) -> list[str]:
-    return [*torchrun(2), str(ROOT / "scripts" / "tta_baseline.py"), *args, f"--output-dir={run_dir}",
-            f"--seed={seed}", f"--target-top1={target}", "--stop-at-target" if stop else "--no-stop-at-target"]
+            f"train.target_top1={target}", "train.stop_at_target=false", "log.progress=false", *overrides]
 
 
 def recipe_precision() -> tuple[str, list[str]]:
@@ -201,27 +230,134 @@ def recipe_precision() -> tuple[str, list[str]]:
     return "fp32 (this CPU has no native bf16: train.amp=off)", ["train.amp=off"]
 
 
+def run_side(side: str, seed: int, out: Path, target: float, consecutive: int, overrides: Sequence[str],
+             recipe_overrides: Sequence[str]) -> Run:
+    """One run of `side` on `seed` into out/SIDE_seedSEED (which must not exist yet)."""
+    run_dir = (out / f"{side}_seed{seed}").resolve()
+    if run_dir.exists():
+        raise FileExistsError(f"{run_dir}: exists; give a fresh --out (run folders are never reused)")
+    load_before = os.getloadavg()[0]
+    if side == "baseline":
+        seconds = launch(baseline_cmd(BASELINE_CONFIG, run_dir, seed, target, consecutive, overrides), run_dir,
+                         target, consecutive)
+    else:
+        with tempfile.TemporaryDirectory(prefix="tta-cache-") as disk, \
+                tempfile.TemporaryDirectory(prefix="tta-l2-", dir=RAM_DIR) as ram:
+            cmd = recipe_cmd(RECIPE_CONFIG, run_dir, Path(disk), Path(ram), seed, target,
+                             [*recipe_overrides, *overrides])
+            seconds = launch(cmd, run_dir, target, consecutive)
+    r = read_run(side, seed, run_dir, target, consecutive, seconds, load_before, os.getloadavg()[0])
+    print(f"  {side} seed {seed}: " + (f"target at {r.time_to_target_s:.1f} s (epoch {r.epochs_to_target})"
+                                       if r.reached else f"target not reached in {r.epochs_run} epochs")
+          + f", best top-1 {100 * r.best_top1:.2f}%, process {r.process_s:.1f} s, load {load_before:.1f} -> "
+          f"{r.load_after:.1f}", flush=True)
+    return r
+
+
+# ---------------------------------------------------------------- the comparison
+
+def plan(first_seed: int, seeds: int) -> list[tuple[int, str]]:
+    """(seed, side) in running order: each seed runs both sides, which side goes first alternating from seed to
+    seed, so that a drift in the machine's load falls on both alike."""
+    return [(seed, side) for i, seed in enumerate(range(first_seed, first_seed + seeds))
+            for side in (SIDES if i % 2 == 0 else SIDES[::-1])]
+
+
+def compare(runs: Sequence[Run]) -> dict[str, Any]:
+    """Per seed the paired ratio; their median and bootstrap 90% interval."""
+    by_seed: dict[int, dict[str, Run]] = {}
+    for r in runs:
+        by_seed.setdefault(r.seed, {})[r.side] = r
+    seeds = sorted(by_seed)
+    incomplete = [s for s in seeds if set(by_seed[s]) != set(SIDES)]
+    if not seeds or incomplete:
+        raise ValueError(f"compare: every seed needs one run of each side (incomplete: {incomplete or 'no runs'})")
+    ratios = [paired_ratio(by_seed[s]["recipe"].time_to_target_s, by_seed[s]["baseline"].time_to_target_s)
+              for s in seeds]
+    usable = [x for x in ratios if not math.isnan(x)]
+    median = float(np.median(usable)) if usable else math.nan
+    interval = bootstrap_interval(usable) if usable else (math.nan, math.nan)
+    return {"seeds": seeds, "ratios": [finite_or_none(x) for x in ratios],
+            "baseline_s": [by_seed[s]["baseline"].time_to_target_s for s in seeds],
+            "recipe_s": [by_seed[s]["recipe"].time_to_target_s for s in seeds],
+            "baseline_epochs": [by_seed[s]["baseline"].epochs_to_target for s in seeds],
+            "recipe_epochs": [by_seed[s]["recipe"].epochs_to_target for s in seeds],
+            "missed": [f"{side} seed {s}" for s in seeds for side in SIDES if not by_seed[s][side].reached],
+            "interval_90": [finite_or_none(x) for x in interval], "ratio": finite_or_none(median)}
+
+
+def report(runs: Sequence[Run], result: dict[str, Any], target: float, consecutive: int) -> None:
+    """The per-seed table and the verdict line."""
+    by = {(r.side, r.seed): r for r in runs}
+    rows = []
+    for seed, ratio in zip(result["seeds"], result["ratios"]):
+        b, r = by[("baseline", seed)], by[("recipe", seed)]
+        cell = (lambda x: f"{x.time_to_target_s:.1f} (ep. {x.epochs_to_target})" if x.reached else "missed")
+        rows.append([seed, "baseline" if runs.index(b) < runs.index(r) else "recipe", cell(b), cell(r),
+                     "-" if ratio is None else f"{ratio:.3f}", f"{b.load_before:.1f}/{b.load_after:.1f}",
+                     f"{r.load_before:.1f}/{r.load_after:.1f}"])
+    print_table(["seed", "first", "baseline s", "recipe s", "recipe/baseline", "load baseline", "load recipe"], rows)
+    low, high = result["interval_90"]
+    print(f"time to {100 * target:g}% top-1 ({consecutive} evaluations in a row), recipe / baseline, median of "
+          f"{len(result['seeds'])} paired ratio(s): {result['ratio']}; bootstrap 90% interval [{low}, {high}]"
+          + (f"; missed: {', '.join(result['missed'])}" if result["missed"] else ""))
+
+
+def configs() -> dict[str, Any]:
+    """Both frozen configs as they are in the repository."""
+    return {"baseline_config": {"file": BASELINE_CONFIG, **yaml.safe_load((ROOT / BASELINE_CONFIG).read_text())},
+            "recipe_config": {"file": RECIPE_CONFIG, **yaml.safe_load((ROOT / RECIPE_CONFIG).read_text())}}
+
+
+def warm_page_cache(root: Path) -> int:
+    """Read every file of the dataset once, so that neither side pays for cold disk reads (bytes read)."""
+    return sum(len(p.read_bytes()) for p in root.rglob("*") if p.is_file())
+
+
+def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], target: float,
+                  consecutive: int, path: Path = TUNING_FILE) -> Path:
+    """Append tuning runs to the tuning history (a JSON list), with the date, machine and commit."""
+    history = json.loads(path.read_text()) if path.is_file() else []
+    for r in records:
+        history.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": common.commit(),
+                        "cpu": common.machine()["cpu"], "side": side, "overrides": list(overrides), "seed": r.seed,
+                        "target_top1": target, "target_consecutive": consecutive,
+                        "time_to_target_s": r.time_to_target_s, "epochs_to_target": r.epochs_to_target,
+                        "best_top1": round(r.best_top1, 4), "epochs_run": r.epochs_run,
+                        "top1": [round(x, 4) for x in r.top1], "elapsed_s": [round(x, 1) for x in r.elapsed_s],
+                        "load_before": r.load_before, "load_after": r.load_after})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(history, indent=1) + "\n")
+    return path
+
+
 # ---------------------------------------------------------------- entry point
-
-def provenance() -> str:
-    import torch
-    from nvidia import dali
-
-    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{platform.machine()}, {os.cpu_count()} cores, load average {load}; torch {torch.__version__}, "
-            f"DALI {dali.__version__}; {time.strftime('%Y-%m-%d %H:%M')}")
-
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="scripts/bench/tta.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one run per side, each stopped at the target")
-    parser.add_argument("--seeds", type=int, default=0, help="runs per side (default: 3; --quick: 1)")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_SEEDS} fresh seeds instead of {FULL_SEEDS}")
+    parser.add_argument("--seeds", type=int, default=0, help=f"fresh seeds (default {FULL_SEEDS}; --quick: {QUICK_SEEDS})")
+    parser.add_argument("--first-seed", type=int, default=FRESH_SEEDS_FROM, help="the first fresh seed")
     parser.add_argument("--target", type=float, default=TARGET_TOP1, help=f"top-1 target (default {TARGET_TOP1})")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench_tta"), help="run folders, tta.png, result.json")
+    parser.add_argument("--consecutive", type=int, default=TARGET_CONSECUTIVE,
+                        help=f"evaluations in a row at or above the target (default {TARGET_CONSECUTIVE})")
+    parser.add_argument("--out", type=Path, default=None, help="run folders (default runs/bench_tta/<time>)")
+    parser.add_argument("--tune", choices=SIDES, help="tuning: run one side with --set overrides on tuning seeds")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="--tune: an override (baseline: option=value; recipe: dotted.config.key=value)")
+    parser.add_argument("--tuning-seeds", type=int, nargs="+", default=[0], help="--tune: the seeds (< 100)")
+    common.add_results_option(parser)
     args = parser.parse_args(argv)
-    seeds = args.seeds or (1 if args.quick else 3)
-    if seeds < 1 or not 0 < args.target <= 1:
-        parser.error("--seeds must be >= 1 and --target in (0, 1]")
+    common.record_run(args)
+    seeds = args.seeds or (QUICK_SEEDS if args.quick else FULL_SEEDS)
+    if seeds < 1 or not 0 < args.target <= 1 or args.consecutive < 1:
+        parser.error("--seeds and --consecutive must be >= 1 and --target in (0, 1]")
+    if args.tune is None and args.first_seed < FRESH_SEEDS_FROM:
+        parser.error(f"--first-seed must be >= {FRESH_SEEDS_FROM}: lower seeds are tuning seeds")
+    if args.tune is not None and any(not 0 <= s < FRESH_SEEDS_FROM for s in args.tuning_seeds):
+        parser.error(f"--tuning-seeds must be in 0..{FRESH_SEEDS_FROM - 1}: higher seeds are the fresh ones")
+    if any("=" not in item for item in args.set):
+        parser.error("--set takes KEY=VALUE")
     from data import dali_available
 
     if not dali_available():
@@ -230,45 +366,43 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result = {"bench": "tta", "baseline": BASELINE, "skipped": reason, "ratio": None}
         print(json.dumps(result))
         return result
-    from data.imagenet_like import prepare
+    from scripts.make_tta_photos import prepare
 
     root = prepare(ROOT / DATA)
-    stop = args.quick  # the full size runs both schedules to the end: final accuracies after all epochs
-    print(f"# scripts/bench/tta.py: {provenance()}")
-    print(f"{DATA}: ResNet-18, 2 processes x 1 CPU thread, target {100 * args.target:g}% top-1 on the held-out split; "
-          f"{seeds} run(s) per side, {'each stopped at the target' if stop else 'full schedules'}; "
-          f"{warm_page_cache(root) / 1e6:.0f} MB of JPEGs read once beforehand (page cache warm for both)")
+    out = args.out or Path("runs/bench_tta") / time.strftime("%Y%m%d-%H%M%S")
     precision, precision_overrides = recipe_precision()
-    print(f"recipe precision: {precision}")
-    runs: list[Run] = []
-    for seed in range(seeds):
-        # Alternate which side goes first, so that a drift in the machine's load falls on both alike.
-        for side in (SIDES if seed % 2 == 0 else SIDES[::-1]):
-            run_dir = (args.out / f"{side}_seed{seed}").resolve()
-            if side == "baseline":
-                seconds = launch(baseline_cmd(BASELINE_ARGS, run_dir, seed, args.target, stop), run_dir)
-            else:
-                with tempfile.TemporaryDirectory(prefix="tta-cache-") as disk, \
-                        tempfile.TemporaryDirectory(prefix="tta-l2-", dir=RAM_DIR) as ram:
-                    cmd = recipe_cmd(RECIPE_CONFIG, run_dir, Path(disk), Path(ram), seed, stop,
-                                     [f"train.target_top1={args.target}", *precision_overrides])
-                    seconds = launch(cmd, run_dir)
-            runs.append(read_run(side, seed, run_dir, seconds))
-            r = runs[-1]
-            print(f"  {side} seed {seed}: " + (f"target at {r.time_to_target_s:.1f} s (epoch {r.epochs_to_target})"
-                                               if r.reached else "target not reached")
-                  + f", final top-1 {100 * r.final_top1:.2f}%, process {r.process_s:.1f} s; load average after: "
-                  + " ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)  # other jobs skew a side: say so
+    machine = common.machine()
+    print(f"# scripts/bench/tta.py: {machine['cpu']}, {machine['cores']} cores, load average "
+          + " ".join(f"{x:.1f}" for x in os.getloadavg()))
+    print(f"{DATA}: ResNet-18, 2 processes x 1 CPU thread, target {100 * args.target:g}% top-1 at "
+          f"{args.consecutive} evaluations in a row; recipe precision: {precision}; "
+          f"{warm_page_cache(root) / 1e6:.0f} MB read once beforehand (page cache warm for both)", flush=True)
+    if args.tune is not None:
+        runs = [run_side(args.tune, seed, out, args.target, args.consecutive, args.set, precision_overrides)
+                for seed in args.tuning_seeds]
+        path = append_tuning(runs, args.tune, args.set, args.target, args.consecutive)
+        line = {"bench": "tta-tuning", "side": args.tune, "overrides": args.set, "seeds": args.tuning_seeds,
+                "time_to_target_s": [r.time_to_target_s for r in runs], "history": str(path)}
+        print(json.dumps(line))
+        return line
+    runs = [run_side(side, seed, out, args.target, args.consecutive, (), precision_overrides)
+            for seed, side in plan(args.first_seed, seeds)]
     from scripts.plot_tta import plot
 
-    png = plot([Path(r.run_dir) for r in runs], args.out / "tta.png", "top1", args.target,
+    png = plot([Path(r.run_dir) for r in runs], out / "tta.png", "top1", args.target,
                [f"{r.side} (seed {r.seed})" for r in runs], [SIDE_COLORS[r.side] for r in runs])
-    report(runs, args.target)
-    result = emit(compare(runs), dataset=str(DATA), model="resnet18", target_top1=args.target, runs_per_side=seeds,
-                  stopped_at_target=stop, recipe_precision=precision, plot=str(png),
-                  run_dirs=[r.run_dir for r in runs])
-    (args.out / "result.json").write_text(json.dumps({**result, "runs": [asdict(r) for r in runs]}, indent=2) + "\n")
-    return result
+    result = compare(runs)
+    report(runs, result, args.target, args.consecutive)
+    line = {"bench": "tta", "baseline": BASELINE, "dataset": str(DATA), "model": "resnet18",
+            "target_top1": args.target, "target_consecutive": args.consecutive, "recipe_precision": precision,
+            **configs(), "runs": [{k: v for k, v in asdict(r).items() if k not in ("top1", "elapsed_s")}
+                                  for r in runs],
+            "plot": str(png), **{k: v for k, v in result.items() if k != "ratio"}, "ratio": result["ratio"]}
+    path = common.write_result(line)
+    if path is not None:
+        print(f"# result written to {path}")
+    print(json.dumps(line))
+    return line
 
 
 if __name__ == "__main__":
