@@ -18,7 +18,7 @@ from torch import nn
 
 from data.translation import PAD, TranslationBatch, TranslationData, collate, eval_batches
 from trainer.config import require
-from trainer.decoding import Seq2Seq, evaluate_bleu
+from trainer.decoding import Search, Seq2Seq, evaluate_bleu
 from trainer.dist import Topology, all_reduce_sum
 from trainer.loop import TrainConfig
 from trainer.schedules import Phase
@@ -78,8 +78,8 @@ class TranslationTask(Task):
 
     def bleu(self, split: Any, limit: int = 0) -> float:
         """Collective: sacreBLEU of greedy translations of `split` (the first `limit` pairs; 0 = all)."""
-        return evaluate_bleu(self.model, self.data, split, self.topo, self.data.cfg.max_tokens, limit,
-                             self.cfg.decode_max_len_a, self.cfg.decode_max_len_b)[0]
+        search = Search(max_len_a=self.cfg.decode_max_len_a, max_len_b=self.cfg.decode_max_len_b)
+        return evaluate_bleu(self.model, self.data, split, self.topo, self.data.cfg.max_tokens, limit, search)[0]
 
     @torch.no_grad()
     def evaluate(self, phase: Phase) -> dict[str, float]:
