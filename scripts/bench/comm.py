@@ -44,7 +44,7 @@ KINDS: dict[str, dict[str, Any] | None] = {  # name -> comm config overrides (No
     "hitopk": {"kind": "hitopk"},
 }
 if "auto" in AVAILABLE_KINDS:
-    KINDS["auto"] = {"kind": "auto"}
+    KINDS["auto"] = {"kind": "auto", "calibration_steps": 3}  # its fewest: decided within the warm-up
 
 
 def _rank(rank: int, world: int, warmup: int, batches: list[list[tuple[torch.Tensor, torch.Tensor]]],
@@ -79,8 +79,8 @@ def _rank(rank: int, world: int, warmup: int, batches: list[list[tuple[torch.Ten
     for name in KINDS:
         slowest = torch.tensor([statistics.median(times[name])])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-        numeric = [k for k, v in stats[name][0].items() if isinstance(v, (int, float))]
-        mean = {k: statistics.mean(s[k] for s in stats[name]) for k in numeric}
+        numeric = {k for s in stats[name] for k, v in s.items() if isinstance(v, (int, float))}
+        mean = {k: statistics.mean(s[k] for s in stats[name] if k in s) for k in sorted(numeric)}
         out[name] = {"step_ms": slowest.item() * 1e3, **mean}
     for _, comm, _ in runs.values():
         if comm is not None:
@@ -92,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = bench_parser("comm", __doc__.splitlines()[0])
     parser.add_argument("--density", type=float, default=0.01, help="topk/hitopk density (default 0.01)")
     args = parse_args(parser, argv)
-    steps, batch, size = (2, 4, 32) if args.quick else (6, 8, 64)
-    warmup = max(2, CommConfig().calibration_steps + 2) if "auto" in KINDS else 2
+    steps, batch, size = (2, 4, 32) if args.quick else (5, 8, 64)
+    warmup = KINDS["auto"]["calibration_steps"] + 2 if "auto" in KINDS else 2
     per_rank, classes = real_image_batches(WORLD * (warmup + steps), batch, size, quick=args.quick)
     batches = [per_rank[r::WORLD] for r in range(WORLD)]
     with tempfile.TemporaryDirectory() as tmp:

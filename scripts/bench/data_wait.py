@@ -24,7 +24,6 @@ The training step's torch threads share the cores with the prefetch and DALI thr
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
@@ -39,27 +38,11 @@ from data.dali_loader import PREFETCH_BATCHES, DaliImageData
 from data.imagenet_like import prepare
 from data.layout import check_dataset
 from recipes.resnet50 import Config, ModelConfig, build_model
-from scripts.bench.common import bench_parser, emit_result, parse_args, print_table
+from scripts.bench.common import bench_parser, emit_result, machine, parse_args, print_table
 from trainer.config import load_config
 
 IMAGE_SIZE, BATCH = 32, 32
 MODES = {"sequential": 0, "prefetch": PREFETCH_BATCHES}
-
-
-def cpu_info() -> dict[str, Any]:
-    """The CPU model, cores and the flags that matter for these figures, from /proc/cpuinfo."""
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
-    return {"cpu": model, "cores": len(os.sched_getaffinity(0)), "flags": [f for f in wanted if f in flags]}
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor) -> None:
@@ -110,15 +93,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for _ in range(3):  # warm-up: first-call costs of the model's kernels
         images, labels = torch.randn(BATCH, 3, IMAGE_SIZE, IMAGE_SIZE), torch.zeros(BATCH, dtype=torch.long)
         train_step(model, optimizer, images, labels)
-    machine = cpu_info()
+    info = machine()
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     for r in range(repeats):
         order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
         for mode in order:
             runs[mode].append(run_epochs(root, MODES[mode], model, optimizer))
     med = {mode: {key: statistics.median(run[key] for run in rs) for key in rs[0]} for mode, rs in runs.items()}
-    flags = ", ".join(machine["flags"]) or "none of AVX2/AVX-512/AMX"
-    print(f"{machine['cpu']} ({machine['cores']} cores; flags: {flags}); "
+    flags = ", ".join(info["cpu_flags"]) or "none of AVX2/AVX-512/AMX"
+    print(f"{info['cpu']} ({info['cores']} cores; flags: {flags}); "
           f"{root} ({train} training images): ResNet-18 training steps at {IMAGE_SIZE} px, {BATCH} images/step, "
           f"{args.threads} torch threads, 1 DALI thread; median of {repeats} run(s), first step of each epoch "
           f"excluded")
@@ -133,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print_table(["cache", "external source", "data wait ms/step", "train step ms", "wait vs (a)"], rows)
     seq, par = med["sequential"], med["prefetch"]
     return emit_result("data_wait", "sequential external source", par["cold_wait_ms"] / seq["cold_wait_ms"],
-                       machine=machine, image_size=IMAGE_SIZE, batch=BATCH, images=train, repeats=repeats,
+                       image_size=IMAGE_SIZE, batch=BATCH, images=train, repeats=repeats,
                        cold_wait_ms={mode: round(m["cold_wait_ms"], 2) for mode, m in med.items()},
                        warm_wait_ms={mode: round(m["warm_wait_ms"], 2) for mode, m in med.items()},
                        step_ms=round(statistics.median([seq["cold_step_ms"], par["cold_step_ms"]]), 1),

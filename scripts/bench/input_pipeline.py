@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(parser, argv)
     train = 1000 if args.quick else 3000
     root = args.root or prepare(Path(f"datasets/imagenet_like{'_quick' if args.quick else ''}"), train=train, val=64)
-    epochs = 1 if args.quick else 3
+    epochs = 1 if args.quick else 2
     workers = args.threads
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as ram, \
             tempfile.TemporaryDirectory() as disk:

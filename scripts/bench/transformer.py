@@ -112,7 +112,7 @@ def main() -> None:
     args = parse_args(parser)
     if args.device != "cpu":
         parser.error("this benchmark runs CPU ranks over gloo; the GPU path is checked by scripts/gpu_check.sh")
-    steps, rounds = (4, 3) if args.quick else (12, 5)
+    steps, rounds = (4, 3) if args.quick else (8, 3)
     threads = max(1, args.threads // WORLD)
     with tempfile.TemporaryDirectory() as tmp:
         corpus = synth.prepare(Path(tmp) / "corpus", n_train=3000, n_valid=20, n_test=20, vocab_size=1000)
