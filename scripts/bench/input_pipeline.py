@@ -38,7 +38,7 @@ LABELS = {"torchvision": "(a) torchvision ImageFolder + DataLoader", "dali_files
           "dali_ram": "(c) DALI, RAM level (L2)", "dali_lowres_128": "(d) DALI, pre-decoded low-res level (L3)"}
 OUTPUTS = {"torchvision": "crop of the decoded original", "dali_files": "crop of the decoded original",
            "dali_ram": "crop of the decoded original",
-           "dali_lowres_128": "crop of a 146 px copy (not the original's pixels)"}
+           "dali_lowres_128": "crop of a 146 px copy, not the original's pixels"}
 
 
 def cpu_seconds() -> float:
