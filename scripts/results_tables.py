@@ -150,28 +150,39 @@ def transformer(r: dict[str, Any]) -> list[str]:
     return table(["contender", "tokens/s", "vs baseline"], rows)
 
 
+def ratio_or_none(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.3f}"
+
+
 def tta(r: dict[str, Any]) -> list[str]:
-    rows = [[seed, f"{ratio:.3f}"] for seed, ratio in zip(r.get("seeds", []), r.get("ratios", []))]
-    interval = r.get("interval") or r.get("ci90")
-    tail = f"; bootstrap 90% interval {interval[0]:.3f} to {interval[1]:.3f}" if interval else ""
+    rows = [[seed, ratio_or_none(ratio)] for seed, ratio in zip(r.get("seeds", []), r.get("ratios", []))]
+    low, high = (r.get("interval") or [None, None])[:2]
+    tail = (f"; bootstrap {100 * r.get('interval_level', 0.9):.0f}% interval {ratio_or_none(low)} to "
+            f"{ratio_or_none(high)}" if low is not None and high is not None else "")
     return [*table(["fresh seed", "recipe / baseline time to target"], rows), "",
-            f"Median of the paired ratios: **{r['ratio']:.3f}**{tail}."]
+            f"Median of the paired ratios: **{ratio_or_none(r.get('ratio'))}**{tail}."]
 
 
 SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "tta": ("time to accuracy, recipe / tuned torchvision-reference baseline, fresh seeds",
-            lambda r: f"{r['ratio']:.3f} (median of {len(r.get('ratios', []))})"),
+            lambda r: f"{ratio_or_none(r.get('ratio'))} (median of {len(r.get('ratios', []))} seeds)"),
     "topk": ("MSTopK speed-up over torch.topk, gradients of a real training step, k = 0.1%, equal threads",
              lambda r: f"{r['arch']}: {times(r['ratio_1thread'])} (1 thread), {times(r['ratio_2threads'])} (2), "
                        f"recall {r['recall_real_gradients']:.4f}"),
-    "input_pipeline": ("input pipeline images/s over torchvision's, quiet / under the bench's own load",
-                       lambda r: f"{times(r['ratio'])} / {times(r['loaded_ratio'])} ({r['results'][r['best']]['output']}); "
-                                 f"DALI on the originals {times(r['results']['dali_files']['quiet_ratio'])} / "
-                                 f"{times(r['results']['dali_files']['loaded_ratio'])}"),
+    "input_pipeline": ("input pipeline images/s over torchvision's ImageFolder + DataLoader, quiet / under the "
+                       "bench's own load",
+                       lambda r: f"DALI decoding the originals: {times(r['results']['dali_files']['quiet_ratio'])} / "
+                                 f"{times(r['results']['dali_files']['loaded_ratio'])}; best, "
+                                 f"{r['results'][r['best']]['label']} ({r['results'][r['best']]['output']}): "
+                                 f"{times(r['ratio'])} / "
+                                 f"{times(r['loaded_ratio'])}"),
     "data_wait": ("data wait per step, prefetch thread / sequential, cold cache",
                   lambda r: times(r["ratio"])),
-    "comm": ("training step with hitopk over dense, 2 x 2 gloo ranks on one box (loopback)",
-             lambda r: f"{times(r['ratio'])} speed-up; {times(r['inter_node_bytes_ratio'])} fewer inter-node bytes"),
+    "comm": ("training step time, dense / hitopk, 2 x 2 gloo ranks on one box (loopback links)",
+             lambda r: f"{r['ratio']:.2f} (above 1: hitopk faster); {r['inter_node_bytes_ratio']:.0f}x fewer "
+                       f"inter-node bytes"
+                       + (f"; dense / auto {r['results']['dense']['step_ms'] / r['results']['auto']['step_ms']:.2f}"
+                          if "auto" in r["results"] else "")),
     "optim": ("FusedLARS step over a per-tensor LARS loop", lambda r: times(r["ratio"])),
     "small_conv": ("ResNet steps with small-map GEMM convolutions over oneDNN's", lambda r: times(r["ratio"])),
     "replica_guard": ("replica guard's share of training time",
@@ -189,12 +200,13 @@ def summary(results_dir: Path) -> str:
         path = results_dir / f"{bench}.json"
         if path.exists():
             record = json.loads(path.read_text())
+            load = record.get("load_avg_1min") or {}
             rows.append([what, figure(record["result"]), f"[{bench}](docs/results/{bench}.json)",
-                         f"{record['machine']['cpu']}, {record['machine']['cores']} cores, "
-                         f"{record['date'][:10]}"])
+                         f"{record['machine']['cpu']}, {record['machine']['cores']} cores, {record['date'][:10]}",
+                         f"{load['start']:.1f} → {load['end']:.1f}" if load.get("start") is not None else ""])
     if not rows:
         raise ResultsError(f"{results_dir}: no result files; `make bench` writes them")
-    return "\n".join(table(["what", "result", "file", "machine, date"], rows)) + "\n"
+    return "\n".join(table(["what", "result", "file", "machine, date", "load (1 min)"], rows)) + "\n"
 
 
 def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
