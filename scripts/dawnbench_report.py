@@ -13,9 +13,10 @@ https://github.com/stanford-futuredata/dawn-bench-entries (README.md, "ImageNet 
   report.md                                           the run beside published ImageNet entries
 
 Everything about the run is read from its files (summary.json through trainer.dawnbench.read_summary,
-config.yaml, dawnbench.tsv); the published figures are the cited constants of trainer.dawnbench.PUBLISHED.
-`--hardware auto` describes the machine the script runs on: use it only where the run itself ran (`make
-quickstart` does).
+config.yaml, dawnbench.tsv, and env.json, the run record of trainer.run_record: devices, driver, versions,
+hosts); the published figures are the cited constants of trainer.dawnbench.PUBLISHED. The hardware is the
+devices env.json records; `--hardware TEXT` overrides it, and `--hardware auto` describes the machine the
+script runs on (use it only where the run itself ran).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import yaml
 
 from trainer.classification import DawnbenchWriter  # the TSV format is defined once, there
 from trainer.dawnbench import PUBLISHED, PUBLISHED_TARGET, RunSummary, SummaryError, read_summary
+from trainer.run_record import describe_devices, read_run_record
 
 DAWNBENCH_VERSION = "v1.0"  # the only version the entries repository defines
 
@@ -54,6 +56,8 @@ class Run:
     dir: Path
     summary: RunSummary
     config: dict[str, Any]
+    record: dict[str, Any] | None = None
+    """env.json (trainer.run_record); None for a run folder written before the record existed."""
 
     @property
     def history(self) -> list[dict[str, float]]:
@@ -106,7 +110,7 @@ def read_run(run_dir: Path) -> Run:
         raise ReportError(f"{run_dir / 'config.yaml'}: not valid YAML ({' '.join(str(e).split())})") from None
     if not summary.history:
         raise ReportError(f"{run_dir / 'summary.json'}: no evaluated epochs in its history; nothing to report")
-    return Run(run_dir, summary, config)
+    return Run(run_dir, summary, config, read_run_record(run_dir))
 
 
 def read_dawnbench_tsv(path: Path) -> list[list[str]]:
@@ -161,15 +165,20 @@ class Hardware:
 
 
 def hardware_from_run(run: Run) -> Hardware:
-    """What the run folder records: the world size, and the device only where dist.backend names it."""
+    """What the run folder records: the devices of env.json; without it, the world size, and the device only
+    where dist.backend names it."""
     backend = run.config.get("dist", {}).get("backend", "auto")
     n = run.world_size
+    described = describe_devices(run.record) if run.record else None
+    if described:
+        on_gpu = any(str(r.get("device", "")).startswith("cuda") for r in run.record["hosts"]["ranks"])
+        return Hardware(described, f"{n}{'gpu' if on_gpu else 'cpu'}")
     if backend == "gloo":  # trainer/dist/torch_backend.py: gloo ranks run on the CPU
         return Hardware(f"{n} CPU process{'es' * (n != 1)} (gloo)", f"{n}cpu")
     if backend == "nccl":  # one GPU per rank
         return Hardware(f"{n} GPU{'s' * (n != 1)} (NCCL)", f"{n}gpu")
-    return Hardware(f"{n} rank{'s' * (n != 1)}; device not recorded in the run folder "
-                    f"(dist.backend: {backend}; pass --hardware)", f"{n}rank")
+    return Hardware(f"{n} rank{'s' * (n != 1)}; device not recorded in the run folder (no env.json; "
+                    f"dist.backend: {backend}; pass --hardware)", f"{n}rank")
 
 
 def hardware_of_this_machine(run: Run) -> Hardware:
@@ -193,6 +202,18 @@ def hardware_of_this_machine(run: Run) -> Hardware:
         cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
                     if line.startswith("model name")), cpu)
     return Hardware(f"{n} CPU process{'es' * (n != 1)} on {cpu}, {os.cpu_count()} logical cores, no GPU", f"{n}cpu")
+
+
+def environment(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The entry's record of where the run ran (env.json's devices, driver, versions, hosts); None without one."""
+    if not record:
+        return None
+    gpus, hosts = record.get("gpus") or {}, record.get("hosts") or {}
+    return {"devices": describe_devices(record), "driver": gpus.get("driver"), "gpuModels": gpus.get("nvidia_smi"),
+            "cpu": (record.get("cpu") or {}).get("model"), "versions": record.get("versions"),
+            "python": record.get("python"), "hosts": hosts.get("names"), "worldSize": hosts.get("world_size"),
+            "recordedAt": record.get("time"),
+            "earlierStarts": record.get("earlier_starts") or []}
 
 
 def slug(text: str) -> str:
@@ -221,6 +242,7 @@ def entry_json(run: Run, author: str, author_email: str, framework: str, code_ur
         "imageSize": [{"image_size": p["image_size"], "epochs": p["end_epoch"] - p["start_epoch"]} for p in phases],
         "batchSize": [{"batch_size": p["batch_size"], "epochs": p["end_epoch"] - p["start_epoch"]} for p in phases],
         "gitCommit": run.config.get("git_commit"),
+        "environment": environment(run.record),
     }
     if not cost_per_hour:
         misc["costNote"] = "costPerHour not given (--cost-per-hour); 0 is a placeholder, not a price"
@@ -274,6 +296,7 @@ def render_report(run: Run, entry: dict[str, Any], rows: list[list[str]], files:
         "target are its own, so the rows stand side by side and are not a ranking. Cost is hours to target × "
         f"cost per hour (costPerHour {entry['costPerHour']:g} USD), as DAWNBench computes it.",
         "",
+        *environment_lines(entry["misc"]["environment"]),
         "## Per evaluated epoch (the entry TSV)",
         "",
         "| epoch | hours | top-1 % | top-5 % |",
@@ -286,6 +309,24 @@ def render_report(run: Run, entry: dict[str, Any], rows: list[list[str]], files:
         "",
     ]
     return "\n".join(lines)
+
+
+def environment_lines(env: dict[str, Any] | None) -> list[str]:
+    """The report's environment section, from env.json (one line saying it is missing otherwise)."""
+    if env is None:
+        return ["## Environment", "", "Not recorded: the run folder has no env.json (written by runs since the "
+                "run record exists).", ""]
+    v = env.get("versions") or {}
+    versions = ", ".join(f"{k} {val}" for k, val in v.items() if val)
+    hosts = env.get("hosts") or []
+    lines = ["## Environment (`env.json`)", "", f"- devices: {env['devices']}",
+             f"- driver: {env.get('driver') or 'none (no nvidia-smi)'}; CPU: {env.get('cpu')}",
+             f"- versions: {versions}; Python {env.get('python')}",
+             f"- hosts ({len(hosts)}): {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''}"]
+    for earlier in env.get("earlierStarts", []):
+        lines.append(f"- earlier start {earlier.get('time')}: world size {earlier.get('world_size')} on "
+                     f"{', '.join(earlier.get('hosts') or [])} ({', '.join(earlier.get('devices') or [])})")
+    return [*lines, ""]
 
 
 # ------------------------------------------------------------ entry point

@@ -88,7 +88,7 @@ def test_report_places_the_run_beside_published_entries(runs, tmp_path):
     tta = entry["misc"]["timeToTargetSeconds"]
     mine = next(line for line in md.splitlines() if line.startswith("| **This run (reached)** |"))
     assert f"{hms(tta)} ({tta:.1f} s, epoch 1)" in mine and f"${tta / 3600 * 3.06:.2f}" in mine
-    assert "5% top-5" in mine and "1 CPU process (gloo)" in mine  # the quickstart config names gloo
+    assert "5% top-5" in mine and "1 CPU process on " in mine and "(gloo, torch" in mine  # as env.json says
 
 
 def test_a_run_that_never_reached_its_target_is_labelled_so(runs, tmp_path):
@@ -121,15 +121,33 @@ def test_hardware_auto_describes_this_machine(runs, tmp_path):
     assert entry["hardware"].startswith("1 ") and kind in entry["hardware"]
 
 
+def test_hardware_and_environment_from_the_run_record(runs, tmp_path):
+    """env.json, written by the run itself, names the device, versions and hosts; report.md shows them."""
+    record = json.loads((runs["reached"] / "env.json").read_text())
+    report(runs["reached"], tmp_path)
+    entry, _, md = outputs(tmp_path)
+    cpu = record["cpu"]["model"]
+    assert entry["hardware"] == f"1 CPU process on {cpu} on 1 host (gloo, torch {torch.__version__})"
+    env = entry["misc"]["environment"]
+    assert env["hosts"] == record["hosts"]["names"] and env["versions"]["torch"] == torch.__version__
+    assert env["driver"] is None and env["cpu"] == cpu and env["worldSize"] == 1
+    assert "## Environment (`env.json`)" in md and f"- devices: 1 CPU process on {cpu}" in md
+    assert "device not recorded" not in entry["hardware"]
+
+
 def test_hardware_from_the_run_config_and_from_the_command_line(runs, tmp_path):
     run = shutil.copytree(runs["reached"], tmp_path / "run")
-    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("backend: auto", "backend: gloo"))
+    (run / "env.json").unlink()  # a run folder from before the run record: the config's backend says what it can
     report(run, tmp_path / "gloo")
+    assert "Not recorded: the run folder has no env.json" in outputs(tmp_path / "gloo")[2]
     assert outputs(tmp_path / "gloo")[0]["hardware"] == "1 CPU process (gloo)"
     report(run, tmp_path / "given", hardware="16 p3.16xlarge (AWS)")
     assert list((tmp_path / "given").glob("unknown_resnet18_16-p3.16xlarge-aws_pytorch.json"))
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("backend: gloo", "backend: auto"))
+    report(run, tmp_path / "auto")
+    assert "device not recorded in the run folder (no env.json" in outputs(tmp_path / "auto")[0]["hardware"]
     if not torch.cuda.is_available():
-        (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("backend: gloo", "backend: nccl"))
+        (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("backend: auto", "backend: nccl"))
         with pytest.raises(ValueError, match="--hardware auto: dist.backend: nccl needs CUDA"):
             report(run, tmp_path / "nccl", hardware="auto")
 

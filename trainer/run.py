@@ -25,6 +25,7 @@ from trainer.dist import ReplicaGuard, Topology, setup_distributed, teardown_dis
 from trainer.loop import Components, Trainer
 from trainer.metrics import RUN_OUTPUTS, build_metrics
 from trainer.rng import seed_everything
+from trainer.run_record import write_run_record
 from trainer.task import Task
 
 C = TypeVar("C")
@@ -68,6 +69,7 @@ def train(cfg: Any, build_data: BuildData, build_task: BuildTask) -> dict[str, A
         comm = build_communicator(cfg.comm, task.model, topo)
         metrics = build_metrics(cfg.log, topo.is_main, fresh=not cfg.train.should_resume(), extra=task.writers)
         cleanup.callback(metrics.close)
+        write_run_record(Path(cfg.log.dir), topo, fresh=not cfg.train.should_resume())  # env.json, every rank's host
         if topo.is_main:
             save_config(cfg, Path(cfg.log.dir) / "config.yaml")
         guard = ReplicaGuard(cfg.dist.check_every_steps, topo)
