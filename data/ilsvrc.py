@@ -108,6 +108,20 @@ def labels_from_file(path: Path) -> dict[str, str]:
     return labels
 
 
+def copy_blacklists(devkit: Path, out: Path) -> list[str]:
+    """The validation blacklists a devkit archive holds (*validation_blacklist.txt: the ILSVRC2014 devkit's is
+    the DAWNBench configs' data.val_exclude), copied into `out`; returns their names."""
+    if not devkit.name.endswith((".tar.gz", ".tgz", ".tar")):
+        return []
+    copied = []
+    with tarfile.open(devkit) as tar:
+        for m in tar:
+            if m.isfile() and m.name.endswith("validation_blacklist.txt"):
+                (out / Path(m.name).name).write_bytes(tar.extractfile(m).read())
+                copied.append(Path(m.name).name)
+    return copied
+
+
 def read_val_labels(path: Path) -> dict[str, str]:
     """Validation labels from the devkit archive or a label file."""
     if not path.is_file():
@@ -303,6 +317,7 @@ def prepare(out: Path, train_tar: Path | None, val_tar: Path | None, labels: Pat
         classes = sorted(e.name for e in os.scandir(out / "train") if e.is_dir()) \
             if (out / "train").is_dir() else None
         val = prepare_val(val_tar, read_val_labels(labels), out, classes, progress)
+        copy_blacklists(labels, out)
     finish(out)
     return Prepared(train, val)
 

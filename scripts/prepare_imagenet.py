@@ -21,6 +21,8 @@ from pathlib import Path
 from data import ilsvrc
 from data.layout import DatasetNotFoundError, preflight
 
+BLACKLIST = "ILSVRC2014_clsloc_validation_blacklist.txt"  # data.val_exclude of configs/resnet50_dawnbench.yaml
+
 
 def find_inputs(args: argparse.Namespace) -> tuple[Path | None, Path | None, Path | None]:
     """(train tar, val tar, labels) from the explicit flags, else from --archives."""
@@ -76,6 +78,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"runs when both splits are there")
         else:
             print(preflight(args.out, args.expect))
+            if not (args.out / BLACKLIST).is_file():
+                print(f"note: configs/resnet50_dawnbench.yaml leaves out the images listed in {BLACKLIST} (from the "
+                      f"ILSVRC2014 devkit's data/): copy it into {args.out}, or pass data.val_exclude= to validate "
+                      f"on every image")
     except ilsvrc.PrepareError as e:
         raise SystemExit(f"prepare_imagenet: {e}") from None
     except DatasetNotFoundError as e:

@@ -79,6 +79,7 @@ def make_archives(folder: Path, wnids: list[str] = WNIDS) -> Path:
     with tarfile.open(folder / ilsvrc.DEVKIT, "w:gz") as tar:
         add_bytes(tar, "ILSVRC2012_devkit_t12/data/meta.mat", meta.getvalue())
         add_bytes(tar, "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt", truth)
+        add_bytes(tar, "ILSVRC2012_devkit_t12/data/ILSVRC2014_clsloc_validation_blacklist.txt", b"3\n")
     rows = [f"ILSVRC2012_val_{i + 1:08d},{w} 1 2 10 12 {w} 3 3 9 9" for i, w in enumerate(order)]
     (folder / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "\n".join(rows) + "\n")
     return folder
@@ -111,10 +112,12 @@ def test_devkit_and_kaggle_labels_give_the_same_sorted_folders(archives, tmp_pat
     out = capsys.readouterr().out
     assert f"train: {len(WNIDS)} classes extracted" in out and "ok" in out.splitlines()[-1]
     check_prepared(tmp_path / "a")
+    assert (tmp_path / "a" / "ILSVRC2014_clsloc_validation_blacklist.txt").read_text() == "3\n"  # from the devkit
     prepare_main(["--train-tar", str(archives / ilsvrc.TRAIN_TAR), "--val-tar", str(archives / ilsvrc.VAL_TAR),
                   "--val-labels", str(archives / "LOC_val_solution.csv"), "--out", str(tmp_path / "b"),
                   "--no-progress"])
     assert listing(tmp_path / "a") == listing(tmp_path / "b")
+    assert "note: configs/resnet50_dawnbench.yaml leaves out" in capsys.readouterr().out  # no devkit: no blacklist
     # a "FILE WNID" list and a valprep.sh's mv lines read the same
     labels = expected_val(tmp_path)
     (tmp_path / "list.txt").write_text("".join(f"{f} {w}\n" for f, w in labels.items()))
