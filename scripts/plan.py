@@ -45,6 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from trainer.comm.cost import (DENSE, Choice, Layout, Link, Network, Selection, allgather_s, describe, fit_affine,
+                               hierarchical_allreduce_s, overlap_step_s, reduce_scatter_s, ring_allreduce_s,
+                               with_inter_rate)
+
 # ---------------------------------------------------------------- published figures and stated assumptions
 
 PUBLISHED_S = {
@@ -99,66 +103,8 @@ class PlanError(ValueError):
     """A mistake in the planner's input: the message names the option or file and the fix."""
 
 
-# ---------------------------------------------------------------- alpha-beta collectives
-
-
-@dataclass(frozen=True)
-class Link:
-    """One kind of link: latency per ring step and payload bandwidth (bytes/s) of its busiest hop."""
-
-    alpha_s: float
-    bytes_per_s: float
-
-    def __post_init__(self) -> None:
-        if not self.bytes_per_s > 0 or self.alpha_s < 0:
-            raise PlanError(f"link: bandwidth must be > 0 and latency >= 0, got {self.bytes_per_s} B/s, "
-                            f"{self.alpha_s} s")
-
-
-def ring_allreduce_s(nbytes: float, p: int, link: Link) -> float:
-    """Ring allreduce of an nbytes buffer over p ranks: 2(p-1) steps, 2(p-1)/p of the buffer per link."""
-    if p <= 1:
-        return 0.0
-    return 2 * (p - 1) * link.alpha_s + 2 * (p - 1) / p * nbytes / link.bytes_per_s
-
-
-def reduce_scatter_s(nbytes: float, p: int, link: Link) -> float:
-    """Ring reduce-scatter of an nbytes buffer (each rank keeps 1/p): p-1 steps, (p-1)/p of the buffer."""
-    if p <= 1:
-        return 0.0
-    return (p - 1) * link.alpha_s + (p - 1) / p * nbytes / link.bytes_per_s
-
-
-def allgather_s(payload_bytes: float, p: int, link: Link, sharing: int = 1) -> float:
-    """Ring allgather of one payload per rank over p ranks: p-1 steps, p-1 payloads through each link.
-
-    `sharing` groups run at once over the same link (hitopk: the L local ranks of a node share its NIC)."""
-    if p <= 1:
-        return 0.0
-    return (p - 1) * link.alpha_s + sharing * (p - 1) * payload_bytes / link.bytes_per_s
-
-
-def hierarchical_allreduce_s(nbytes: float, nodes: int, per_node: int, intra: Link, inter: Link) -> float:
-    """NCCL-style 2-D allreduce: intra-node reduce-scatter, per_node parallel inter-node rings on 1/per_node
-    shards (sharing the NIC), intra-node allgather."""
-    inter_s = 0.0
-    if nodes > 1:
-        inter_s = 2 * (nodes - 1) * inter.alpha_s + 2 * (nodes - 1) / nodes * nbytes / inter.bytes_per_s
-    return reduce_scatter_s(nbytes, per_node, intra) + inter_s + allgather_s(nbytes / per_node, per_node, intra)
-
-
-@dataclass(frozen=True)
-class Selection:
-    """MSTopK cost: fixed seconds per call plus seconds per input element."""
-
-    fixed_s: float
-    per_element_s: float
-
-    def seconds(self, n: float) -> float:
-        return self.fixed_s + self.per_element_s * n
-
-
-# ---------------------------------------------------------------- cluster, model, exchange
+# ---------------------------------------------------------------- cluster, model, exchange (the collectives of an
+# exchange and their alpha-beta times are trainer/comm/cost.py's, shared with the communicators)
 
 
 @dataclass
@@ -231,37 +177,26 @@ class Exchange:
         return self.kind if self.kind.startswith("dense") else f"{self.kind} d={self.density:g}"
 
 
+def choice_of(n: int, ex: Exchange) -> Choice:
+    """The cost model's choice for a bucket of n elements under `ex` (buckets below dense_below go dense)."""
+    if ex.kind == "dense":
+        return DENSE
+    if ex.kind == "dense fp16":
+        return Choice("dense16")
+    return Choice(ex.kind, ex.density) if n >= ex.dense_below else DENSE
+
+
+def cluster_network(c: Cluster) -> Network:
+    """The cluster's links as the cost model reads them."""
+    return Network(Layout(c.nodes, c.ranks_per_node), {"world": c.inter, "inter": c.inter, "intra": c.intra},
+                   c.selection, dense_algorithm=c.dense_algorithm)
+
+
 def bucket_cost(n: int, ex: Exchange, c: Cluster) -> float:
-    """Seconds to exchange one bucket of n fp32 gradients on a GPU cluster (the chain of trainer/comm)."""
-    w, nodes, per = c.world, c.nodes, c.ranks_per_node
-    if w == 1:
-        return 0.0
-    if not (ex.kind in ("topk", "hitopk") and n >= ex.dense_below):
-        wire = 2 if ex.kind == "dense fp16" else 4
-        if c.dense_algorithm == "ring":
-            return ring_allreduce_s(wire * n, w, c.inter)
-        return hierarchical_allreduce_s(wire * n, nodes, per, c.intra, c.inter)
-    if ex.kind == "topk" or per == 1:  # every rank its own node (hitopk on 1-rank nodes is topk)
-        k = min(n, max(1, math.ceil(ex.density * n)))
-        return c.selection.seconds(n) + allgather_s(8 * k, w, c.inter)  # one flat ring: W-1 payloads per NIC
-    shard = math.ceil(n / per)
-    k = min(shard, max(1, math.ceil(ex.density * shard)))
-    return (reduce_scatter_s(4 * shard * per, per, c.intra) + c.selection.seconds(shard)
-            + allgather_s(8 * k, nodes, c.inter, sharing=per) + allgather_s(4 * shard, per, c.intra))
-
-
-def overlap_step_s(forward_s: float, backward_s: float, ready: Sequence[float], chain_s: Sequence[float],
-                   cpu_s: float = 0.0, tail_s: float = 0.0) -> float:
-    """A step with the exchange overlapped with backward.
-
-    Bucket b's chain (chain_s[b] seconds) starts when backward has produced it (at forward_s + ready[b] x
-    backward_s) and after the chain of bucket b-1; the step ends when both the compute (plus `cpu_s` of
-    exchange work that competes with it for the same processor) and the last chain (plus `tail_s`, the
-    write-back after it) are done."""
-    end = 0.0
-    for seconds, at in zip(chain_s, ready):
-        end = max(end, forward_s + backward_s * at) + seconds
-    return max(forward_s + backward_s + cpu_s, end + tail_s)
+    """Seconds to exchange one bucket of n fp32 gradients on a GPU cluster: trainer/comm/cost.py's
+    description of the exchange (its collectives and selection), timed on the cluster's links."""
+    net = cluster_network(c)
+    return net.chain_s(describe(n, choice_of(n, ex), net.layout))
 
 
 def step_seconds(forward_s: float, backward_s: float, model: ModelSpec, ex: Exchange | None, c: Cluster) -> float:
@@ -373,10 +308,10 @@ def model_spec(name: str, bucket_mb: float, calibration: dict | None = None) -> 
             import torchvision
 
             module = torchvision.models.resnet50()
-        elif name == "transformer":
-            from scripts.bench.scaling import TransformerBase
+        elif name == "transformer":  # Transformer-base: d 512, 6+6 layers, a shared 32k vocabulary
+            from recipes.transformer_model import Seq2SeqTransformer, TransformerConfig
 
-            module = TransformerBase()
+            module = Seq2SeqTransformer(TransformerConfig(), 32000)
         else:
             raise PlanError(f"--model {name!r}: valid models are resnet50, transformer")
     return ModelSpec(name, [b.numel for b in make_buckets(list(module.parameters()), bucket_mb)])
@@ -408,16 +343,7 @@ class Affine:
         return self.fixed + self.per_unit * size
 
 
-def _fit_affine(xy: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares y = a + b x with a >= 0 (a negative intercept is refitted through the origin)."""
-    xs, ys = [x for x, _ in xy], [y for _, y in xy]
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    intercept = my - slope * mx
-    if intercept < 0:
-        slope, intercept = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), 0.0
-    return intercept, slope
+_fit_affine = fit_affine
 
 
 def fit_cpu(points: Sequence[Sequence[float]]) -> Affine:
@@ -472,24 +398,31 @@ class EmulatedCluster:
 
         sparse_cpu: the sparse local work measured on the model's own gradients (whole bucket, 1/L shard);
         otherwise the fit on heavy-tailed random values."""
-        w, nodes, per, cpu = self.world, self.nodes, self.ranks_per_node, self.cpu
+        nodes, per, cpu = self.nodes, self.ranks_per_node, self.cpu
         local = cpu["dense_local"](n)  # gather into the bucket, average, write back (the training thread)
-        if not (ex.kind in ("topk", "hitopk") and n >= ex.dense_below):
-            if ex.kind == "dense fp16":  # the casts on the training thread, the fp16 sums in gloo's threads
-                net = ring_allreduce_s(2 * n, w, self.links["allreduce_fp16"])
-                return net, 0.0, local + cpu["fp16_cast"](n) + cpu["allreduce_fp16"](n)
-            return ring_allreduce_s(4 * n, w, self.links["allreduce"]), 0.0, local + cpu["allreduce"](n)
-        if ex.kind == "topk" or per == 1:
-            k = min(n, max(1, math.ceil(ex.density * n)))
+        choice = choice_of(n, ex)
+        desc = describe(n, choice, Layout(nodes, per))
+        # the shaped links carry the collectives over all ranks and between nodes; intra-node ones are CPU work
+        net = sum(self.network.collective_s(c) for c in desc.collectives if c.group != "intra")
+        if choice.kind == "dense16":  # the casts on the training thread, the fp16 sums in gloo's threads
+            return net, 0.0, local + cpu["fp16_cast"](n) + cpu["allreduce_fp16"](n)
+        if choice.kind == "dense":
+            return net, 0.0, local + cpu["allreduce"](n)
+        if desc.select_elements == n:  # every rank its own node: topk, or hitopk on 1-rank nodes
             chain_cpu = sparse_cpu[0] if sparse_cpu else cpu["sparse_local"](n)
-            net = allgather_s(8 * k, w, self.links["allgather"])
-            return net, chain_cpu, local + chain_cpu + cpu["allgather"](2 * k)
+            return net, chain_cpu, local + chain_cpu + cpu["allgather"](2 * desc.k)
         shard = math.ceil(n / per)
-        k = min(shard, max(1, math.ceil(ex.density * shard)))
         chain_cpu = (cpu["reduce_scatter_intra"](shard * per) + cpu["allgather_intra"](shard)
                      + (sparse_cpu[1] if sparse_cpu else cpu["sparse_local"](shard)))
-        net = allgather_s(8 * k, nodes, self.links["allgather_inter"], sharing=per)
-        return net, chain_cpu, local + chain_cpu + cpu["allgather_inter"](2 * k)
+        return net, chain_cpu, local + chain_cpu + cpu["allgather_inter"](2 * desc.k)
+
+    @property
+    def network(self) -> Network:
+        """The fitted links under the cost model's names (ring algorithms, as gloo runs them)."""
+        names = {"allreduce": "world", "allreduce_fp16": "world16", "allgather": "world_gather",
+                 "allgather_inter": "inter"}
+        return Network(Layout(self.nodes, self.ranks_per_node),
+                       {names[k]: v for k, v in self.links.items() if k in names})
 
     def step_s(self, compute: dict, model: ModelSpec, ex: Exchange,
                sparse_cpu: Sequence[tuple[float, float]] | None = None, exchange_cpu_s: float | None = None) -> float:
@@ -515,7 +448,7 @@ def _cells(calibration: dict) -> list[tuple[dict, str, dict, str, dict]]:
     for run in calibration["runs"]:
         for name, m in run["models"].items():
             for kind, cell in m["exchanges"].items():
-                if kind != "compute only":
+                if kind in EXCHANGES:  # not "compute only", nor auto (a choice per bucket: make_cells in the bench)
                     out.append((run, name, m, kind, cell))
     return out
 
@@ -557,10 +490,17 @@ def compare_with_measurements(calibration: dict) -> list[dict[str, Any]]:
 
 def tcp_efficiency(calibration: dict) -> float:
     """Payload bandwidth of the emulated links' allreduce fit over their nominal rate (median over runs)."""
-    from scripts.bench.scaling import rate_bps
-
     return statistics.median(EmulatedCluster.from_run(r, 1).links["allreduce"].bytes_per_s * 8 / rate_bps(r["rate"])
-                             for r in calibration["runs"])
+                             for r in calibration["runs"] if r["rate"] != "unlimited")
+
+
+def rate_bps(rate: str) -> float:
+    """A tc rate (1gbit, 200mbit, ...) in bits per second."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+    for suffix, mult in units.items():
+        if rate.endswith(suffix):
+            return float(rate[: -len(suffix)]) * mult
+    raise ValueError(f"rate {rate!r}: expected e.g. 1gbit or 200mbit")
 
 
 # ---------------------------------------------------------------- printing
@@ -630,16 +570,76 @@ def print_plan(cfg: Any, args: argparse.Namespace, c: Cluster, spec: ModelSpec, 
             "dense_s": round(preds[0].total_s, 1), "published_s": PUBLISHED_S}
 
 
+# ---------------------------------------------------------------- a run's own calibration (comm.kind auto)
+
+
+def load_run_calibration(run: str | Path) -> dict[str, float]:
+    """The `comm/calib/*` values of the last logged step of RUN/metrics.jsonl (a comm.kind auto run)."""
+    path = Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        raise PlanError(f"--from-run {run}: no metrics.jsonl there (a run folder is log.dir/<run name>)")
+    found: dict[str, float] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line of a killed run
+        calib = {k[len("comm/calib/"):]: v for k, v in record.items() if k.startswith("comm/calib/")}
+        if calib:
+            found = calib
+    if not found:
+        raise PlanError(f"--from-run {run}: its metrics.jsonl has no comm/calib/* values; they are logged by "
+                        "comm.kind=auto once its calibration steps are done")
+    return found
+
+
+def print_from_run(args: argparse.Namespace) -> dict[str, Any]:
+    """What auto would choose, and the exposed exchange it predicts, at other bandwidths and cluster sizes,
+    from a run's own calibration (links, selection cost, bucket sizes and ready times)."""
+    from trainer.comm.auto import candidates, choose, network_from_calibration
+
+    cal = load_run_calibration(args.from_run)
+    measured = Layout(int(cal["nodes"]), int(cal["ranks_per_node"]))
+    base, sizes, ready = network_from_calibration(cal, measured)
+    factors = _parse_densities(args.rate_factors, "--rate-factors", upper=None)
+    layouts = [measured, Layout(measured.nodes * 4, measured.per_node)]
+    if (args.nodes, args.gpus_per_node) != (16, 8) or measured.per_node > 1:
+        layouts.append(Layout(args.nodes, args.gpus_per_node))
+    print(f"From {args.from_run}: measured on {measured.nodes} nodes x {measured.per_node} ranks; "
+          f"{len(sizes)} buckets, {sum(sizes):,} gradients; links "
+          + ", ".join(f"{k} {v.bytes_per_s * 8 / 1e9:.3g} Gbit/s" for k, v in base.links.items())
+          + f"; selection {base.selection.per_element_s * 1e9:.1f} ns/element; min density {cal['min_density']:g}")
+    print("Other layouts keep the measured links (the node-crossing ones scaled by the factor) and ready times.")
+    rows, out = [], []
+    for layout in layouts:
+        for factor in factors:
+            net = with_inter_rate(base, factor, layout)
+            options = lambda n, lay=layout: candidates(n, lay, (0.01, 0.003, 0.001), cal["min_density"],  # noqa: E731
+                                                       int(cal["dense_below"]))
+            plan, exposed = choose(sizes, ready, net, options, bool(cal["local_competes"]))
+            _, dense = choose(sizes, ready, net, lambda n: [DENSE], bool(cal["local_competes"]))
+            counts: dict[str, int] = {}
+            for c in plan:
+                counts[c.label] = counts.get(c.label, 0) + 1
+            summary = ", ".join(f"{v} x {k}" for k, v in counts.items())
+            rows.append([f"{layout.nodes}x{layout.per_node}", f"x{factor:g}", summary, exposed * 1e3, dense * 1e3])
+            out.append({"layout": f"{layout.nodes}x{layout.per_node}", "rate_factor": factor,
+                        "plan": [c.label for c in plan], "exposed_ms": round(exposed * 1e3, 2),
+                        "dense_exposed_ms": round(dense * 1e3, 2)})
+    _table(["nodes", "inter-node rate", "auto's choice (buckets)", "exposed ms", "all dense exposed ms"], rows)
+    return {"from_run": str(args.from_run), "plans": out}
+
+
 # ---------------------------------------------------------------- entry point
 
 
-def _parse_densities(text: str) -> tuple[float, ...]:
+def _parse_densities(text: str, option: str = "--densities", upper: float | None = 1.0) -> tuple[float, ...]:
     try:
         values = tuple(float(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise PlanError(f"--densities {text!r}: expected numbers separated by commas, e.g. 0.001,0.01") from None
-    if not values or any(not 0 < v <= 1 for v in values):
-        raise PlanError(f"--densities {text!r}: each density must be in (0, 1]")
+        raise PlanError(f"{option} {text!r}: expected numbers separated by commas, e.g. 0.001,0.01") from None
+    if not values or any(not 0 < v or (upper is not None and v > upper) for v in values):
+        raise PlanError(f"{option} {text!r}: each value must be in (0, {upper if upper is not None else 'inf'}]")
     return values
 
 
@@ -674,6 +674,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-ms", nargs="*", default=[], metavar="PX=MS",
                    help="measured compute (fwd+bwd) ms per image at an image size; replaces the scaled assumption")
     p.add_argument("--densities", default=",".join(map(str, DENSITIES)), help="sparse densities to consider")
+    p.add_argument("--from-run", default="", metavar="RUN",
+                   help="a comm.kind=auto run folder: what auto would choose at other bandwidths and cluster sizes, "
+                        "from that run's own calibration")
+    p.add_argument("--rate-factors", default="0.1,0.2,0.5,1,2,5,10",
+                   help="with --from-run: inter-node bandwidths to plan for, as factors of the measured one")
     p.add_argument("--calibration", default="runs/scaling/calibration.json",
                    help="scripts/bench/scaling.py's measurements (compared when present; '' = none)")
     return p
@@ -699,6 +704,8 @@ def load_recipe_config(path: str, overrides: Sequence[str]) -> Any:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.from_run:
+        return print_from_run(args)
     for name in ("nodes", "gpus_per_node"):
         if getattr(args, name) < 1:
             raise PlanError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")

@@ -224,3 +224,43 @@ def test_plan_prints_the_paper_setting_next_to_the_published_times(capsys):
     assert "2:31" in text and "2:38" in text and "Recommendation:" in text
     assert out["recommended"].startswith("hitopk ")  # 25 Gbit/s between 128 V100s: the hierarchical exchange wins
     assert math.isfinite(out["recommended_s"]) and out["recommended_s"] < out["dense_s"]
+
+
+def _auto_run(folder, link_bytes_per_s: float) -> None:
+    """A run folder whose metrics.jsonl holds an auto communicator's calibration (2 nodes x 2 ranks)."""
+    calib = {"nodes": 2.0, "ranks_per_node": 2.0, "min_density": 0.01, "dense_below": 16384.0, "local_competes": 0.0,
+             "net_scale": 1.0, "select_per_element_s": 1e-8, "select_fixed_s": 1e-4, "cast_per_element_s": 1e-10}
+    for name in ("world", "world16", "world_gather", "inter"):
+        calib[f"link/{name}/alpha_s"], calib[f"link/{name}/bytes_per_s"] = 1e-4, link_bytes_per_s
+    calib["link/intra/alpha_s"], calib["link/intra/bytes_per_s"] = 1e-5, 10e9
+    for i, (n, ready) in enumerate([(6_000_000, 0.0), (20_000, 0.01), (6_000_000, 0.05)]):
+        calib[f"bucket/{i}/elements"], calib[f"bucket/{i}/ready_before_end_s"] = float(n), ready
+    folder.mkdir()
+    lines = [{"kind": "step", "step": 1, "loss/train": 1.0},
+             {"kind": "step", "step": 10, **{f"comm/calib/{k}": v for k, v in calib.items()}}]
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n{torn")
+
+
+def test_from_run_replans_a_runs_own_calibration_at_other_bandwidths(tmp_path, capsys):
+    _auto_run(tmp_path / "run", 1e9 / 8)  # measured at 1 Gbit/s
+    out = plan.main(["--from-run", str(tmp_path / "run"), "--rate-factors", "0.2,100"])
+    at = {(p["layout"], p["rate_factor"]): p for p in out["plans"]}
+    slow, fast = at[("2x2", 0.2)], at[("2x2", 100.0)]
+    assert any(c.startswith(("topk", "hitopk")) for c in slow["plan"]) and slow["exposed_ms"] < slow["dense_exposed_ms"]
+    assert all(c.startswith("dense") for c in fast["plan"])
+    assert all(float(c.split()[1]) >= 0.01 for p in out["plans"] for c in p["plan"] if " " in c)  # the safe bound
+    assert "8x2" in {p["layout"] for p in out["plans"]}
+    assert "auto's choice" in capsys.readouterr().out
+
+
+def test_from_run_without_a_calibration_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"kind": "step", "step": 1}) + "\n")
+    with pytest.raises(SystemExit):
+        plan.main(["--from-run", str(tmp_path / "run")])
+    assert "no comm/calib" in capsys.readouterr().err
+
+
+def test_transformer_model_spec_builds_without_the_bench():
+    spec = plan.model_spec("transformer", 25.0)
+    assert spec.params > 40_000_000 and len(spec.buckets) > 1

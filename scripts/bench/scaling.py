@@ -45,13 +45,18 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from scripts.bench.comm import KINDS  # the same five exchanges as the comm bench
-from scripts.bench.common import bench_parser, emit_result, print_table
+from scripts.bench.comm import KINDS as COMM_KINDS
+from scripts.bench.common import bench_parser, emit_result, print_table, record_run
+from scripts.plan import rate_bps
+
+KINDS = {**COMM_KINDS, "auto": {"kind": "auto"}}
+"""The comm bench's five exchanges (compute only, dense, dense fp16, topk, hitopk) and `comm.kind: auto`."""
+FIXED = ("dense", "dense fp16", "topk", "hitopk")
 
 ROOT = Path(__file__).resolve().parents[2]
 
 LAYOUTS = ((2, 2), (4, 1))  # (nodes, ranks per node)
-RATES = ("1gbit", "200mbit")
+RATES = ("unlimited", "1gbit", "200mbit")
 BUCKET_MB = 25.0
 DENSE_BELOW = 16384
 NETEM_ENV = {"NETEM_PREFIX": "dawnb", "NETEM_SUBNET": "10.213.1"}  # not the default cluster: ours to tear down
@@ -269,8 +274,9 @@ def measure_model(name: str, topo, density: float, steps: int) -> dict[str, Any]
     # not fit in memory otherwise): each communicator is detached after building and attached for its steps.
     comms = {}
     for kind, overrides in KINDS.items():
-        if overrides is not None:
-            comms[kind] = build_communicator(CommConfig(**overrides, density=density, bucket_mb=BUCKET_MB,
+        if overrides is not None:  # auto may choose the fixed kinds' density only: the same convergence bound
+            extra = {"densities": [density], "min_density": density} if kind == "auto" else {}
+            comms[kind] = build_communicator(CommConfig(**overrides, **extra, density=density, bucket_mb=BUCKET_MB,
                                                         dense_below=DENSE_BELOW), model, topo)
             comms[kind].detach()
     probes: list = []
@@ -290,6 +296,12 @@ def measure_model(name: str, topo, density: float, steps: int) -> dict[str, Any]
     stats: dict[str, list] = {kind: [] for kind in KINDS}
     ready_at = []
     try:
+        use("auto")  # auto's calibration: its dense warm-up steps and probes, before the measured rounds
+        while not comms["auto"].calibrated:
+            dist.barrier()
+            model.zero_grad(set_to_none=True)
+            loss_fn().backward()
+            comms["auto"].finish()
         for rnd in range(steps + 1):  # round 0 is warm-up (allocations, first-touch, connections)
             for kind in KINDS:
                 use(kind)
@@ -322,7 +334,10 @@ def measure_model(name: str, topo, density: float, steps: int) -> dict[str, Any]
     result: dict[str, Any] = {"buckets": [b.numel for b in buckets], "params": sum(p.numel() for p in params),
                               "tensors": len(params), "exchanges": {},
                               "bucket_ready": [statistics.median(col) for col in zip(*ready_at)],
-                              "sparse_local": sparse_pieces}
+                              "sparse_local": sparse_pieces,
+                              "auto": {"plan": [c.label for c in comms["auto"].plan],
+                                       "predicted_exposed_s": comms["auto"].predicted_exposed_s,
+                                       "calibration": comms["auto"].calibration}}
     for kind in KINDS:
         cell = {key: statistics.median(r[i] for r in rows[kind])
                 for i, key in enumerate(("step_s", "fwd_s", "bwd_s", "cpu_s", "fwd_cpu_s", "bwd_cpu_s"))}
@@ -404,7 +419,7 @@ def skip_reason() -> str | None:
 def measure_all(args: argparse.Namespace, models: list[str], steps: int) -> list[dict[str, Any]]:
     """Bring the cluster up for each layout and rate, run the worker on it; the cluster is always torn down."""
     runs = []
-    combos = [(layout, rate) for layout in LAYOUTS for rate in RATES]
+    combos = [(layout, rate) for layout in (LAYOUTS[:1] if args.quick else LAYOUTS) for rate in RATES]
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for i, ((nodes, per_node), rate) in enumerate(combos, 1):
@@ -424,14 +439,6 @@ def measure_all(args: argparse.Namespace, models: list[str], steps: int) -> list
 
 
 # ---------------------------------------------------------------- report (parent side)
-
-
-def rate_bps(rate: str) -> float:
-    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
-    for suffix, mult in units.items():
-        if rate.endswith(suffix):
-            return float(rate[: -len(suffix)]) * mult
-    raise ValueError(f"rate {rate!r}: expected e.g. 1gbit or 200mbit")
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
@@ -527,12 +534,83 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace, steps: int) -> 
     summary = {name: {f"{r['nodes']}x{r['ranks_per_node']}@{r['rate']}":
                       {k: round(v["step_s"] * 1e3, 1) for k, v in r["models"][name]["exchanges"].items()}
                       for r in runs} for name in runs[0]["models"]}
+    cells = make_cells(runs, args.density)
+    print("\nauto against the fixed exchanges (criteria: within 5% of the best fixed one, never > 5% slower than "
+          "dense); planner = out-of-sample prediction from auto's calibration at the other shaped rate:")
+    print_table(["model", "nodes", "links", "best fixed", "best ms", "auto ms", "auto/best", "auto/dense", "auto plan",
+                 "planner max |err|"],
+                [[c["model"], c["layout"], c["rate"], c["best_fixed"], c["step_ms"][c["best_fixed"]], c["step_ms"]["auto"],
+                  c["auto_vs_best"], c["auto_vs_dense"], " ".join(c["auto_plan"]),
+                  f"{c['planner']['max_abs_error'] * 100:.1f}% (from {c['planner']['calibrated_on']})"
+                  if "planner" in c else "-"] for c in cells])
     key = next(r for r in runs if (r["nodes"], r["ranks_per_node"], r["rate"]) == (2, 2, "1gbit"))
     rn = key["models"]["resnet50"]["exchanges"]
     return emit_result("scaling", "dense", rn["dense"]["step_s"] / rn["hitopk"]["step_s"],
                        setting="resnet50 2x2 @1gbit", density=args.density, threads_per_rank=1, targets=targets,
                        planner_max_error=round(max(errors), 4), png=str(out_dir / "scaling.png"),
-                       calibration=str(cal_path), step_ms=summary)
+                       calibration=str(cal_path), step_ms=summary, steps=steps,
+                       auto_within_5pct_of_best=all(c["auto_vs_best"] <= 1.05 for c in cells),
+                       auto_never_5pct_slower_than_dense=all(c["auto_vs_dense"] <= 1.05 for c in cells),
+                       cells=cells)
+
+
+def fixed_plan(kind: str, sizes: Sequence[int], density: float) -> list:
+    """The per-bucket choices a fixed `comm.kind` makes (small buckets dense), in the cost model's terms."""
+    from trainer.comm.cost import DENSE, Choice
+
+    if kind == "dense":
+        return [DENSE] * len(sizes)
+    if kind == "dense fp16":
+        return [Choice("dense16")] * len(sizes)
+    return [Choice(kind, density) if n >= DENSE_BELOW else DENSE for n in sizes]
+
+
+def predict_cell(source: dict[str, Any], model: str, target: dict[str, Any], density: float) -> dict[str, float]:
+    """Step seconds of every exchange in the `target` run, predicted out of sample from the `source` run of the
+    same layout: its auto calibration (links, contention, selection cost, ready times) and compute-only step,
+    with the node-crossing links scaled by the ratio of the two nominal rates. Nothing measured in the
+    target run is used."""
+    from trainer.comm.auto import candidates, choose, network_from_calibration, predict
+    from trainer.comm.cost import Layout, with_inter_rate
+
+    m = source["models"][model]
+    layout = Layout(source["nodes"], source["ranks_per_node"])
+    net, sizes, ready = network_from_calibration(m["auto"]["calibration"], layout)
+    net = with_inter_rate(net, rate_bps(target["rate"]) / rate_bps(source["rate"]))
+    compute = m["exchanges"]["compute only"]["step_s"]
+    out = {kind: compute + predict(sizes, ready, fixed_plan(kind, sizes, density), net, True)[0] for kind in FIXED}
+    plan, exposed = choose(sizes, ready, net, lambda n: candidates(n, layout, [density], density, DENSE_BELOW), True)
+    out["auto"] = compute + exposed
+    return out
+
+
+def make_cells(runs: list[dict[str, Any]], density: float) -> list[dict[str, Any]]:
+    """One object per (model, layout, rate): each exchange's step ms, auto against the best fixed exchange and
+    against dense, auto's plan, and the planner's out-of-sample prediction (calibrated on the other shaped
+    rate of the same layout; the unshaped cell has no nominal rate to scale by, so it is not predicted)."""
+    cells = []
+    for run in runs:
+        for model, m in run["models"].items():
+            ex = m["exchanges"]
+            steps = {k: ex[k]["step_s"] for k in (*FIXED, "auto")}
+            best = min(FIXED, key=lambda k: steps[k])
+            cell: dict[str, Any] = {
+                "model": model, "layout": f"{run['nodes']}x{run['ranks_per_node']}", "rate": run["rate"],
+                "step_ms": {k: round(v * 1e3, 1) for k, v in steps.items()},
+                "compute_ms": round(ex["compute only"]["step_s"] * 1e3, 1),
+                "best_fixed": best, "auto_vs_best": round(steps["auto"] / steps[best], 3),
+                "auto_vs_dense": round(steps["auto"] / steps["dense"], 3), "auto_plan": m["auto"]["plan"],
+                "auto_predicted_exposed_ms": round(m["auto"]["predicted_exposed_s"] * 1e3, 1)}
+            sources = [r for r in runs if (r["nodes"], r["ranks_per_node"]) == (run["nodes"], run["ranks_per_node"])
+                       and r is not run and r["rate"] != "unlimited" and model in r["models"]]
+            if run["rate"] != "unlimited" and sources:
+                pred = predict_cell(sources[0], model, run, density)
+                errors = {k: round(pred[k] / steps[k] - 1, 3) for k in pred}
+                cell["planner"] = {"calibrated_on": sources[0]["rate"],
+                                   "predicted_ms": {k: round(v * 1e3, 1) for k, v in pred.items()},
+                                   "error": errors, "max_abs_error": max(abs(e) for e in errors.values())}
+            cells.append(cell)
+    return cells
 
 
 def hitopk_local_floor_s(run: dict[str, Any], model: str) -> float:
@@ -557,13 +635,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="runs/scaling", help="directory for calibration.json and scaling.png")
     parser.add_argument("--models", default="", help="comma-separated subset of resnet50,transformer "
                                                      "(default: both; --quick: resnet50)")
-    parser.add_argument("--steps", type=int, default=0, help="measured steps per cell (default 5; --quick 2)")
+    parser.add_argument("--steps", type=int, default=0, help="measured steps per cell (default 8; --quick 6)")
     parser.add_argument("--worker", metavar="OUT_JSON", help=argparse.SUPPRESS)  # one rank, under run.sh
     parser.add_argument("--rate", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    record_run(args)
     if not 0 < args.density <= 1:
         parser.error(f"--density must be in (0, 1], got {args.density}")
-    steps = args.steps or (2 if args.quick else 5)
+    steps = args.steps or (6 if args.quick else 8)
     if args.worker:
         args.worker_out, args.steps = args.worker, steps
         run_worker(args)

@@ -44,7 +44,7 @@ from kernels import mstopk, mstopk_warm_up
 from trainer.comm.base import Bucket
 from trainer.comm.config import CommConfig
 from trainer.comm.cost import (CODES, DENSE, KINDS, Choice, Layout, Network, Selection, describe, exchange_bytes,
-                               exposed_s, fit_affine, fit_link, k_of)
+                               exposed_s, fit_affine, fit_link, k_of, Link)
 from trainer.comm.dense import WIRE_DTYPES
 from trainer.comm.sparse import TopKCommunicator, pack, scatter_payloads
 from trainer.dist import Topology
@@ -226,7 +226,8 @@ class AutoCommunicator(TopKCommunicator):
     def decision_stats(self, stats: dict[str, float]) -> dict[str, float]:
         """The per-bucket choices and predicted vs measured times, for TensorBoard and the JSONL log."""
         out = {"calibrated": float(self.calibrated), "predicted_exposed_ms": self.predicted_exposed_s * 1e3,
-               "measured_exposed_ms": stats.get("wait_s", 0.0) * 1e3}
+               "measured_exposed_ms": stats.get("wait_s", 0.0) * 1e3,
+               **{f"calib/{k}": v for k, v in self.calibration.items()}}
         for b, choice in zip(self.buckets, self.plan):
             out[f"choice/{b.index}"] = float(CODES[choice.kind])
             out[f"choice_density/{b.index}"] = choice.density
@@ -265,10 +266,13 @@ class AutoCommunicator(TopKCommunicator):
         self.net = build_network(self.net_layout, probes, select_pts, cast_s / max(cast_pt[0], 1))
         sizes = [b.numel for b in self.buckets]
         dense_pred = [self.net.network_s(describe(n, DENSE, self.net_layout)) for n in sizes]
-        ratios = [m / p for m, p in zip(chain, dense_pred) if p > 0 and m > 0]
-        self.net.net_scale = min(max(statistics.median(ratios), 0.25), 20.0) if ratios else 1.0
+        # from the bucket with the most bytes: a small bucket's time is mostly the wait for the slowest rank
+        top = max(range(len(sizes)), key=lambda i: dense_pred[i])
+        self.net.net_scale = min(max(chain[top] / dense_pred[top], 0.25), 20.0) if dense_pred[top] > 0 else 1.0
         self.ready_before_end = ready
-        self.calibration = {"dense_span_s": span, "net_scale": self.net.net_scale,
+        self.calibration = {"nodes": float(self.net_layout.nodes), "ranks_per_node": float(self.net_layout.per_node),
+                            "min_density": self.cfg.min_density, "dense_below": float(self.dense_below),
+                            "local_competes": float(self.local_competes), "dense_span_s": span, "net_scale": self.net.net_scale,
                             "select_per_element_s": self.net.selection.per_element_s,
                             "select_fixed_s": self.net.selection.fixed_s, "cast_per_element_s": self.net.cast_per_element_s,
                             **{f"link/{k}/alpha_s": v.alpha_s for k, v in self.net.links.items()},
@@ -309,10 +313,10 @@ class AutoCommunicator(TopKCommunicator):
         _, chain, _ = self._medians(self._rows)
         self._rows = []
         chain = self._max_over_ranks(chain)
-        ratios = [m / p for m, p in zip(chain, self.predicted_chain_s) if p > 0 and m > 0]
-        if not ratios:
+        top = max(range(len(chain)), key=lambda i: self.predicted_chain_s[i])
+        if not self.predicted_chain_s[top] > 0:
             return
-        ratio = statistics.median(ratios)
+        ratio = chain[top] / self.predicted_chain_s[top]
         if abs(ratio - 1) <= self.cfg.hysteresis:
             return
         self.net.net_scale = min(max(self.net.net_scale * ratio, 0.05), 100.0)
@@ -439,5 +443,25 @@ def build_network(layout: Layout, probes: dict[str, list[tuple[float, float]]],
         pts = [(b * (per - 1), t) for b, t in probes["intra_gather"]]
         pts += [(b * (per - 1) / per, t) for b, t in probes.get("intra_scatter", [])]
         links["intra"] = fit_link(pts, per - 1, 1.0)
-    selection = Selection(*fit_affine(select_points)) if select_points else Selection(0.0, 0.0)
+    selection = Selection(0.0, 0.0)
+    if select_points:
+        fixed, per_element = fit_affine(select_points)
+        if per_element <= 0:  # noise between sizes: the average cost per element
+            fixed, per_element = 0.0, sum(t for _, t in select_points) / sum(n for n, _ in select_points)
+        selection = Selection(fixed, per_element)
     return Network(layout, links, selection, cast_per_element_s)
+
+
+def network_from_calibration(cal: dict[str, float], layout: Layout) -> tuple[Network, list[int], list[float]]:
+    """The fitted network, the bucket sizes and their ready times from `AutoCommunicator.calibration` (also
+    logged as `comm/calib/<key>`)."""
+    links = {key.split("/")[1]: Link(value, cal[f"link/{key.split('/')[1]}/bytes_per_s"])
+             for key, value in cal.items() if key.startswith("link/") and key.endswith("/alpha_s")}
+    if "world" not in links:
+        raise ValueError("calibration: no link/world/* entries (not an auto communicator's calibration)")
+    net = Network(layout, links, Selection(cal["select_fixed_s"], cal["select_per_element_s"]),
+                  cal["cast_per_element_s"], net_scale=cal["net_scale"])
+    count = sum(1 for key in cal if key.startswith("bucket/") and key.endswith("/elements"))
+    sizes = [int(cal[f"bucket/{i}/elements"]) for i in range(count)]
+    ready = [cal[f"bucket/{i}/ready_before_end_s"] for i in range(count)]
+    return net, sizes, ready

@@ -235,14 +235,12 @@ class Network:
             else:
                 names = ("world16", "world") if c.wire_bytes == 2 else ("world",)
                 t = ring_allreduce_s(c.nbytes, p, self.link(*names))
-        elif c.op == "reduce_scatter":
-            t = reduce_scatter_s(c.nbytes, p, self.link(c.group))
+        elif c.group == "intra":  # a layout the links were not measured on: the world link stands in
+            t = (reduce_scatter_s if c.op == "reduce_scatter" else allgather_s)(c.nbytes, p, self.link("intra", "world"))
         elif c.group == "inter":
-            t = allgather_s(c.nbytes, p, self.link("inter"), sharing=lay.per_node)
-        elif c.group == "world":
-            t = allgather_s(c.nbytes, p, self.link("world_gather", "inter", "world"))
+            t = allgather_s(c.nbytes, p, self.link("inter", "world_gather", "world"), sharing=lay.per_node)
         else:
-            t = allgather_s(c.nbytes, p, self.link(c.group))
+            t = allgather_s(c.nbytes, p, self.link("world_gather", "inter", "world"))
         return t * self.net_scale
 
     def network_s(self, ex: Exchange) -> float:
@@ -273,7 +271,10 @@ def overlap_step_s(forward_s: float, backward_s: float, ready: Sequence[float], 
 def exposed_s(ready_before_end: Sequence[float], chain_s: Sequence[float], cpu_s: float = 0.0) -> float:
     """Seconds the optimizer waits after backward: chains start `ready_before_end[b]` seconds before
     backward ends (in launch order, one at a time); `cpu_s` of work competing with backward delays it."""
-    return overlap_step_s(0.0, 0.0, [-r for r in ready_before_end], chain_s, cpu_s)
+    end = -math.inf
+    for ready, seconds in zip(ready_before_end, chain_s):
+        end = max(end, -ready) + seconds
+    return max(cpu_s, end, 0.0)
 
 
 def fit_link(points: Sequence[tuple[float, float]], rounds: float, volume: float) -> Link:
@@ -312,3 +313,16 @@ def exchange_bytes(ex: Exchange, layout: Layout) -> tuple[float, float]:
 def layout_of(topo: object) -> Layout:
     """The `Layout` of a `trainer.dist.Topology`."""
     return Layout(int(topo.num_nodes), int(topo.ranks_per_node))
+
+
+CROSSING = ("world", "world16", "world_gather", "inter")
+"""The links whose busiest hop crosses nodes (when there are several): they scale with the network's rate."""
+
+
+def with_inter_rate(net: Network, factor: float, layout: Layout | None = None) -> Network:
+    """`net` with the node-crossing links `factor` times as fast (a faster or slower network), optionally
+    on another layout (the same links, other group sizes)."""
+    links = {name: Link(link.alpha_s, link.bytes_per_s * factor) if name in CROSSING else link
+             for name, link in net.links.items()}
+    return Network(layout or net.layout, links, net.selection, net.cast_per_element_s, net.dense_algorithm,
+                   net.net_scale)
