@@ -23,12 +23,13 @@ from data import DataConfig, build_image_data
 from kernels import use_gemm_for_small_maps
 from trainer.classification import ClassificationTask, ClassificationTrainConfig
 from trainer.comm import CommConfig
-from trainer.config import require
+from trainer.config import ConfigError, require
 from trainer.dist import DistConfig, Topology
 from trainer.metrics import LogConfig
 from trainer.optim import OptimConfig, build_optimizer
 from trainer.run import run
 from trainer.schedules import ScheduleConfig, check_phases
+from trainer.torchvision_weights import WeightsMismatchError, load_pretrained, local_weights
 
 
 @dataclass
@@ -42,9 +43,21 @@ class ModelConfig:
     small_map_gemm: bool = True
     """On the CPU, convolutions with at most 4 output positions (the last stage at 32-64 px) run as one GEMM
     (kernels/small_conv.py, faster than oneDNN there); same parameters; no effect on CUDA."""
+    init: Literal["random", "torchvision"] = "random"
+    """Initial weights: random, or torchvision's pretrained weights for model.arch found on this machine
+    (model.init_weights, else torch hub's cache); a classifier of another size stays random."""
+    init_weights: str = ""
+    """With model.init=torchvision: the weights file (a torchvision state dict); "" = look in torch hub's cache."""
 
     def __post_init__(self) -> None:
         require(0 <= self.label_smoothing < 1, f"model.label_smoothing: must be in [0, 1), got {self.label_smoothing}")
+        require(self.init == "torchvision" or not self.init_weights,
+                "model.init_weights: only read with model.init=torchvision")
+        if self.init == "torchvision":  # a missing file is an error now, before any process group or data
+            try:
+                local_weights(self.arch, self.init_weights)
+            except (FileNotFoundError, WeightsMismatchError) as e:
+                raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -72,9 +85,17 @@ class Config:
         check_phases(self.schedule.phases, self.train.epochs)
 
 
-def build_model(cfg: ModelConfig, num_classes: int) -> nn.Module:
-    """torchvision's ResNet, residual blocks starting as the identity (model.zero_init_residual)."""
+def build_model(cfg: ModelConfig, num_classes: int, verbose: bool = False) -> nn.Module:
+    """torchvision's ResNet, residual blocks starting as the identity (model.zero_init_residual), or from
+    torchvision's pretrained weights (model.init)."""
     model = torchvision.models.get_model(cfg.arch, num_classes=num_classes, zero_init_residual=cfg.zero_init_residual)
+    if cfg.init == "torchvision":
+        try:
+            loaded = load_pretrained(model, cfg.arch, cfg.init_weights)
+        except WeightsMismatchError as e:
+            raise ConfigError(str(e)) from None
+        if verbose:
+            print(loaded)
     if cfg.small_map_gemm:
         use_gemm_for_small_maps(model)
     return model
@@ -87,7 +108,7 @@ def build_data(cfg: Config, topo: Topology) -> Any:
 
 def build_task(cfg: Config, topo: Topology, data: Any) -> tuple[ClassificationTask, torch.optim.Optimizer]:
     """Parameter groups (trainer/optim.py): no weight decay and no LARS trust ratio on BatchNorm and biases."""
-    model = build_model(cfg.model, data.num_classes).to(topo.device)
+    model = build_model(cfg.model, data.num_classes, verbose=topo.is_main).to(topo.device)
     task = ClassificationTask(model, data, topo, cfg.schedule.phases, cfg.train, cfg.model.label_smoothing)
     return task, build_optimizer(task.model, cfg.optim)
 

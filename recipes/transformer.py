@@ -1,6 +1,8 @@
 """Transformer on WMT En-De (Vaswani et al. 2017), with the communicators of Shi et al. (MLSys 2021).
 
     python -m recipes.transformer --config configs/transformer_quickstart_cpu.yaml [--resume] [section.key=value ...]
+    python -m recipes.transformer translate RUN [--beam 4] [--average-last N] [--input FILE|-] [--output FILE]
+        (a trained run's model: translate text, or sacreBLEU of beam and greedy search on its test split)
     torchrun --nproc_per_node 8 -m recipes.transformer --config configs/transformer_wmt16_en_de.yaml
 
 The method, as fairseq's WMT'16 recipe (Ott et al. 2018): torch's nn.Transformer with one embedding matrix
@@ -13,6 +15,7 @@ validation split reaches the target; the held-out test split is scored before an
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +28,7 @@ from trainer.metrics import LogConfig
 from trainer.optim import OptimConfig, build_optimizer, maybe_clip_gradients
 from trainer.run import run
 from trainer.schedules import ScheduleConfig
+from trainer.translate import translate_main
 from trainer.translation import TranslationTask, TranslationTrainConfig
 
 
@@ -64,6 +68,10 @@ def build_task(cfg: Config, topo: Topology, data: TranslationData) -> tuple[Tran
 
 
 def main(argv: list[str] | None = None) -> dict:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["translate"]:
+        return translate_main(Config, build_transformer, args[1:], "python -m recipes.transformer translate",
+                              raise_errors=argv is not None)
     return run(Config, build_data, build_task, argv, prog="python -m recipes.transformer")
 
 
