@@ -7,8 +7,8 @@ A table sits between two markers, and everything between them is generated:
     <!-- /results -->
 
 `results:NAME` renders docs/results/NAME.json (written by `python -m scripts.bench.NAME`) as that bench's
-table, with a line naming the file, its date, machine, load and command; `results:summary` is one row per
-result file present. Every number in these tables comes from a result file, so none is copied by hand.
+table, with a line naming the file, its date, machine, load and command (or says that the file does not exist
+yet); `results:summary` is one row per result file present. Every number in these tables comes from a result file, so none is copied by hand.
 
     python -m scripts.results_tables           # rewrite the tables in place
     python -m scripts.results_tables --check   # exit 1 naming each table that differs from its result file
@@ -215,6 +215,8 @@ def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
         return summary(results_dir)
     if name not in TABLES:
         raise ResultsError(f"results:{name}: no such table (known: summary, {', '.join(TABLES)})")
+    if not (results_dir / f"{name}.json").exists():
+        return f"_No result file yet: `python -m scripts.bench.{name}` writes `docs/results/{name}.json`._\n"
     record = load(results_dir, name)
     return "\n".join([*TABLES[name](record["result"]), "", provenance(name, record)]) + "\n"
 

@@ -36,14 +36,14 @@ def test_readme_has_the_summary_and_links_only_inside_the_repository() -> None:
 
 @pytest.fixture
 def copy(tmp_path: Path) -> tuple[Path, Path]:
-    """A results folder with the real optim and topk files, and a page with their tables and the summary."""
+    """A results folder with the real optim and replica_guard files, and a page with their tables and the summary."""
     results = tmp_path / "results"
     results.mkdir()
-    for bench in ("optim", "topk"):
+    for bench in ("optim", "replica_guard"):
         shutil.copy(RESULTS_DIR / f"{bench}.json", results)
     page = tmp_path / "page.md"
     page.write_text("# Page\n\ntext\n\n<!-- results:optim -->\nold\n<!-- /results -->\n\nmiddle\n\n"
-                    "<!-- results:topk -->\n<!-- /results -->\n\n<!-- results:summary -->\n<!-- /results -->\nend\n")
+                    "<!-- results:replica_guard -->\n<!-- /results -->\n\n<!-- results:summary -->\n<!-- /results -->\nend\n")
     return results, page
 
 
@@ -62,14 +62,14 @@ def test_a_changed_number_in_a_result_file_is_detected(copy: tuple[Path, Path],
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     results, page = copy
     main(["--results-dir", str(results), str(page)])
-    path = results / "topk.json"
+    capsys.readouterr()
+    path = results / "replica_guard.json"
     record = json.loads(path.read_text())
-    record["result"]["ratio_1thread"] += 1.0
-    record["result"]["results"]["real 0.001"]["1t"]["ratio"] += 1.0
+    record["result"]["share"] *= 2
     path.write_text(json.dumps(record))
     assert main(["--check", "--results-dir", str(results), str(page)]) == 1
     out = capsys.readouterr().out
-    assert "results:topk" in out and "results:summary" in out and "results:optim" not in out
+    assert "results:replica_guard" in out and "results:summary" in out and "results:optim" not in out
 
 
 def test_a_hand_edited_figure_in_a_page_is_detected(copy: tuple[Path, Path]) -> None:
@@ -85,8 +85,9 @@ def test_a_hand_edited_figure_in_a_page_is_detected(copy: tuple[Path, Path]) -> 
 def test_unknown_table_and_missing_file_are_named(tmp_path: Path) -> None:
     with pytest.raises(ResultsError, match="results:nosuch: no such table"):
         render("nosuch", RESULTS_DIR)
-    with pytest.raises(ResultsError, match=r"optim.json: missing; `python -m scripts.bench.optim`"):
-        render("optim", tmp_path)
+    assert "No result file yet: `python -m scripts.bench.optim` writes" in render("optim", tmp_path)
+    with pytest.raises(ResultsError, match="no result files"):
+        render("summary", tmp_path)
 
 
 def test_every_table_renders_from_the_committed_files() -> None:
