@@ -170,6 +170,6 @@ netem-status:
 ## run the ResNet recipe on the emulated cluster (NPROC per node, CONFIG, ARGS)
 netem-run: setup
 	PY=$(PY) scripts/netem/run.sh --nproc-per-node $(NPROC) -m recipes.resnet50 --config $(CONFIG) $(ARGS)
-## print the cost model's plan for CONFIG (scripts/plan.py)
+## print the cost model's plan for CONFIG (scripts/plan.py); RUN=<run folder of comm.kind auto>: replan its calibration
 plan: setup
-	$(PY) -m scripts.plan --config $(CONFIG) $(ARGS)
+	$(PY) -m scripts.plan --config $(CONFIG) $(if $(RUN),--from-run $(RUN)) $(ARGS)
