@@ -19,7 +19,7 @@ from torch import nn
 from kernels import mstopk
 from recipes.resnet50 import main
 from tests.conftest import run_ranks
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import CheckpointWriter, latest_checkpoint, load_file, rank_file
 from trainer.comm import CommConfig, CommTimeoutError, build_communicator
 from trainer.dist import DistConfig, setup_distributed
 
@@ -202,12 +202,13 @@ def _residuals_survive_a_checkpoint(rank: int, world: int, folder: str) -> None:
     for step in range(2):
         backward_with(straight, grads_of(rank, step, False))
         comm_a.finish()
-    gathered = comm_a.gather_state()
-    if rank == 0:
-        Checkpointer(folder).save({"comm": gathered}, 2)
+    writer = CheckpointWriter(folder, rank, world)  # each rank writes its own file, rank 0 the manifest
+    ckpt_dir = writer.write(2, {rank_file(rank): comm_a.state_dict()}, "attempt")
     dist.barrier()
-    state, _ = Checkpointer(folder).load_latest()
-    comm_b.load_gathered_state(state["comm"])
+    if rank == 0:
+        writer.finish(2, "attempt")
+    dist.barrier()
+    comm_b.load_state_dict(load_file(ckpt_dir, rank_file(rank)))
     assert comm_b.steps == 2 and set(comm_b.residuals) == set(comm_a.residuals)
     for step in (2, 3):
         # One communicator at a time: two exchange threads would interleave their collectives differently
@@ -265,9 +266,9 @@ def test_hitopk_run_resumes_bitwise(tmp_path, digits_root):
     run_ranks(_recipe, 2, tmp_path / "a", argv("straight", 3))
     run_ranks(_recipe, 2, tmp_path / "b", argv("split", 2))
     run_ranks(_recipe, 2, tmp_path / "c", argv("split", 3, "--resume"))
-    straight, _ = Checkpointer(tmp_path / "straight" / "checkpoints").load_latest()
-    split, _ = Checkpointer(tmp_path / "split" / "checkpoints").load_latest()
+    straight, _ = latest_checkpoint(tmp_path / "straight")
+    split, _ = latest_checkpoint(tmp_path / "split")
     assert straight["trainer"]["step"] == split["trainer"]["step"] == 9
-    assert len(split["comm"]["ranks"]) == 2 and split["comm"]["ranks"][1]["residuals"]
+    assert len(split["ranks"]) == 2 and split["ranks"][1]["comm"]["residuals"]
     for name, value in straight["model"].items():
         assert torch.equal(value, split["model"][name]), name

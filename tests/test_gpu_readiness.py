@@ -308,16 +308,17 @@ def test_background_checkpoints_are_complete_and_timed(tmp_path, digits_root):
 
     from recipes.resnet50 import main
     from tests.test_trainer import TINY, phases
-    from trainer.checkpoint import Checkpointer, load_verified
+    from trainer.checkpoint import checkpoint_dirs, read_checkpoint
     out = tmp_path / "run"
     summary = main(["--config", "configs/quickstart_cpu.yaml", f"data.root={digits_root}", f"log.dir={out}",
                     "train.epochs=2", phases(2), "train.max_steps_per_epoch=3", *TINY,
                     "train.checkpoint_in_background=true", "train.checkpoint_every_steps=2", "train.keep_checkpoints=9",
                     "dist.backend=gloo", "comm.kind=dense"])
-    steps = sorted(int(p.name[5:13]) for p in Checkpointer(out / "checkpoints").paths())
+    found = checkpoint_dirs(out)  # complete: manifests written, every file's digest verified
+    steps = sorted(int(d.name[5:]) for d in found)
     assert steps == [2, 3, 4, 6]  # every 2 steps, and at the end of each epoch (3 steps per epoch)
-    for step in steps:
-        assert load_verified(out / "checkpoints" / f"ckpt-{step:08d}.pt")["trainer"]["step"] == step
+    for ckpt_dir in found:
+        assert read_checkpoint(ckpt_dir)["trainer"]["step"] == int(ckpt_dir.name[5:])
     epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
               if json.loads(line)["kind"] == "epoch"]
     assert epochs[-1]["time/checkpoint_s"] > 0 and summary["checkpoint_s"] >= epochs[-1]["time/checkpoint_s"]
@@ -375,15 +376,15 @@ def test_dali_is_unavailable_without_the_nvidia_package(tmp_path):
 
 
 def test_any_failure_of_the_background_writer_is_a_checkpoint_write_error(tmp_path):
-    from trainer.checkpoint import Checkpointer, CheckpointWriteError
-    ckpt = Checkpointer(tmp_path)
-    ckpt.save_in_background({"fn": lambda: None}, 1)  # a lambda cannot be pickled
+    from trainer.checkpoint import MODEL, CheckpointWriter, CheckpointWriteError, checkpoint_dirs
+    writer = CheckpointWriter(tmp_path / "checkpoints", 0, 1)
+    writer.write_in_background(1, {MODEL: {"fn": lambda: None}}, "attempt")  # a lambda cannot be pickled
     with pytest.raises(CheckpointWriteError, match=r"background checkpoint write failed: .*previous checkpoints"):
-        ckpt.wait()
-    assert ckpt.paths() == []
-    ckpt.save_in_background({"w": torch.ones(2)}, 2)
-    ckpt.wait()
-    assert [p.name for p in ckpt.paths()] == ["ckpt-00000002.pt"]
+        writer.wait()
+    assert checkpoint_dirs(tmp_path) == []
+    writer.write_in_background(2, {MODEL: {"w": torch.ones(2)}}, "attempt")
+    writer.wait()
+    assert [d.name for d in checkpoint_dirs(tmp_path)] == ["step-00000002"]
 
 
 def test_nccl_needs_a_gpu_per_rank_on_the_machine(monkeypatch):

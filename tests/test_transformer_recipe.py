@@ -13,7 +13,7 @@ import torch.distributed as dist
 from data import synthetic_translation as synth
 from recipes.transformer import Config
 from tests.conftest import run_ranks
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import latest_checkpoint
 from trainer.config import ConfigError, load_config, reference
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "transformer_quickstart_cpu.yaml"
@@ -84,7 +84,7 @@ def test_two_rank_hitopk_run_logs_bleu_and_resumes_exactly(corpus, tmp_path):
     resumed = json.loads((cut / "summary.json").read_text())
     assert resumed["test_bleu_untrained"] is None and resumed["epochs_run"] == 3
     assert [h["eval/bleu"] for h in resumed["history"]] == [h["eval/bleu"] for h in summary["history"]]
-    a, _ = Checkpointer(full / "checkpoints").load_latest()
-    b, _ = Checkpointer(cut / "checkpoints").load_latest()
+    a, _ = latest_checkpoint(full)
+    b, _ = latest_checkpoint(cut)
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name

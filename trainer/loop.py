@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -36,8 +37,8 @@ from torch import nn
 from tqdm import tqdm
 
 from trainer.checkpoint import (MODEL, SHARED, CheckpointWriter, CheckpointWriteError, CorruptCheckpointError,
-                                legacy_error, legacy_files, load_file, rank_file, read_manifest, step_dirs,
-                                verify_files)
+                                legacy_error, legacy_files, load_file, rank_file, read_manifest, step_dir_name,
+                                step_dirs, verify_files)
 from trainer.comm import Communicator
 from trainer.config import require, to_dict
 from trainer.dist import ReplicaGuard, Topology, all_reduce_sum, broadcast_flag, broadcast_module
@@ -239,6 +240,7 @@ class Trainer:
         self.token = ""
         """This attempt's mark on its checkpoint records (set in `fit`, equal on every rank)."""
         self.last_checkpoint_step = -1
+        self.checkpoints_started = 0
         self.preempt_signal: int | None = None
         """The stop signal this rank received (SIGTERM, SIGUSR1), if any."""
         self.preempted_ranks = 0
@@ -376,33 +378,36 @@ class Trainer:
 
     def checkpoint(self, background: bool | None = None) -> None:
         """Collective: every rank writes its own files of the checkpoint, then rank 0 the manifest; if any rank
-        cannot (a full disk), all ranks stop together with the previous checkpoints intact. In the background
-        (train.checkpoint_in_background, unless `background` says otherwise) each rank snapshots its state to
-        host memory and a thread writes it; rank 0's thread writes the manifest once every rank's record is
-        there. The seconds on the training thread are counted in `time/checkpoint_s` (inside the
-        time-to-accuracy clock)."""
+        cannot (a full disk), all ranks stop together with the previous checkpoints intact (and the failed
+        folder removed). In the background (train.checkpoint_in_background, unless `background` says
+        otherwise) each rank snapshots its state to host memory and a thread writes it; rank 0's thread writes
+        the manifest once every rank's record is there. The seconds on the training thread are counted in
+        `time/checkpoint_s` (inside the time-to-accuracy clock)."""
         start = time.perf_counter()
         background = self.train_cfg.checkpoint_in_background if background is None else background
         self.elapsed_s = start - self._clock
+        # The previous background write is complete everywhere (rank 0's manifest and pruning included) before
+        # any rank starts the next one: pruning never meets a folder being written.
+        self.wait_for_checkpoints()
         broadcast_module(self.model, self.topo, buffers_only=True)
-        error = ""
-        try:
-            if background:
-                self.writer.write_in_background(self.step, self.checkpoint_files(), self.token)
-            else:
-                self.writer.wait()
-                self.writer.write(self.step, self.checkpoint_files(), self.token)
-        except CheckpointWriteError as e:
-            error = str(e)
-        self.raise_if_checkpoint_failed(error)
-        if not background:
+        self.checkpoints_started += 1
+        token = f"{self.token}-{self.checkpoints_started}"  # a rewrite of the same step is a new attempt
+        files = self.checkpoint_files()
+        if background:
+            self.writer.write_in_background(self.step, files, token)
+        else:
             error = ""
+            try:
+                ckpt_dir = self.writer.write(self.step, files, token)
+            except CheckpointWriteError as e:
+                ckpt_dir, error = self.writer.folder / step_dir_name(self.step), str(e)
+            self.raise_if_checkpoint_failed(error, ckpt_dir)
             if self.topo.is_main:
                 try:
-                    self.writer.finish(self.step, self.token)
+                    self.writer.finish(self.step, token)
                 except CheckpointWriteError as e:
                     error = str(e)
-            self.raise_if_checkpoint_failed(error)
+            self.raise_if_checkpoint_failed(error, ckpt_dir)
         self.last_checkpoint_step = self.step
         self.checkpoint_s += time.perf_counter() - start
 
@@ -415,16 +420,19 @@ class Trainer:
             error = str(e)
         self.raise_if_checkpoint_failed(error)
 
-    def raise_if_checkpoint_failed(self, error: str) -> None:
+    def raise_if_checkpoint_failed(self, error: str, ckpt_dir: Path | None = None) -> None:
         """Collective: stop every rank if any rank's `error` is set (the others would otherwise wait in the
-        next collective)."""
+        next collective); rank 0 first removes the unfinished `ckpt_dir`, whose writers are all done."""
         (failed,) = all_reduce_sum([1.0 if error else 0.0], self.topo)
-        if failed:
-            raise CheckpointWriteError(0, f"step {self.step}: {error}; stopping (free space, or point log.dir "
-                                          "elsewhere, then resume)" if error else
-                                          f"step {self.step}: {int(failed)} rank(s) could not write their part of "
-                                          "the checkpoint (their errors say why); stopping with the previous "
-                                          "checkpoints intact")
+        if not failed:
+            return
+        if ckpt_dir is not None and self.topo.is_main:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+        raise CheckpointWriteError(0, f"step {self.step}: {error}; stopping (free space, or point log.dir "
+                                      "elsewhere, then resume)" if error else
+                                      f"step {self.step}: {int(failed)} rank(s) could not write their part of the "
+                                      "checkpoint (their errors say why); stopping with the previous checkpoints "
+                                      "intact")
 
     # ------------------------------------------------------------ preemption
 

@@ -26,7 +26,7 @@ import torch
 from tests.conftest import ROOT, run_ranks
 from tests.faults.inject import Fault, install
 from tests.test_trainer import TINY, phases
-from trainer.checkpoint import Checkpointer, CheckpointWriteError, load_verified
+from trainer.checkpoint import MODEL, CheckpointWriteError, checkpoint_dirs, latest_checkpoint, load_model_state
 
 LAUNCH_TIMEOUT_S = 400  # a guard against a hang of the launcher itself, not a speed requirement
 
@@ -56,7 +56,7 @@ def torchrun(args: list[str], restarts: int = 0, fault: str = "") -> subprocess.
 
 
 def final_state(run_dir: Path) -> dict:
-    found = Checkpointer(run_dir / "checkpoints").load_latest()
+    found = latest_checkpoint(run_dir)
     assert found is not None, f"no checkpoint in {run_dir}"
     return found[0]
 
@@ -93,10 +93,10 @@ def test_a_rank_killed_mid_epoch_restarts_and_ends_bitwise_equal(tmp_path, digit
     assert done.returncode == 0, done.stdout[-4000:]
     assert "exitcode: -9" in done.stdout  # torchrun saw rank 1 die of the SIGKILL...
     # ...and the restarted job resumed inside epoch 1 from the newest checkpoint (step 6), on its own
-    assert re.search(r"resumed from \S+ckpt-00000006\.pt at epoch 1, step 6", done.stdout), done.stdout[-4000:]
+    assert re.search(r"resumed from \S+step-00000006 at epoch 1, step 6", done.stdout), done.stdout[-4000:]
     killed = final_state(tmp_path)
     if kind == "hitopk":
-        assert len(killed["comm"]["ranks"]) == 2 and killed["comm"]["ranks"][1]["residuals"]
+        assert len(killed["ranks"]) == 2 and killed["ranks"][1]["comm"]["residuals"]
     assert_same_weights(reference, killed)
 
 
@@ -104,12 +104,12 @@ def test_a_torn_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, digi
     reference = final_state(uninterrupted("dense"))
     run = tmp_path / "torn"
     shutil.copytree(uninterrupted("dense"), run)
-    newest = run / "checkpoints" / "ckpt-00000010.pt"
+    newest = run / "checkpoints" / "step-00000010" / MODEL
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a write cut off half-way
     done = torchrun(recipe_args(digits_root, run, "dense", "train.resume=true"))
     assert done.returncode == 0, done.stdout[-4000:]
-    assert re.search(r"skipping checkpoint: \S+ckpt-00000010\.pt: truncated", done.stdout), done.stdout[-4000:]
-    assert re.search(r"resumed from \S+ckpt-00000009\.pt at epoch 1, step 9", done.stdout)
+    assert re.search(r"skipping checkpoint: \S+step-00000010/model\.pt: truncated", done.stdout), done.stdout[-4000:]
+    assert re.search(r"resumed from \S+step-00000009 at epoch 1, step 9", done.stdout)
     assert_same_weights(reference, final_state(run))  # step 10 trained again, to the same bits
 
 
@@ -203,7 +203,7 @@ def test_a_loss_scaler_that_skips_every_step_stops_the_run(tmp_path, digits_root
 def _fill_the_disk(rank: int, world: int, argv: list[str]) -> None:
     from recipes.resnet50 import main
     expected = r"No space left on device.*previous checkpoints .* are intact" if rank == 0 else \
-        r"rank 0 could not write the checkpoint"
+        r"1 rank\(s\) could not write their part of the checkpoint"
     with pytest.raises(CheckpointWriteError, match=expected):
         main(argv)
 
@@ -225,7 +225,8 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, digits
                            phases(1))
         run_ranks(_fill_the_disk, 2, tmp_path, argv, timeout=LAUNCH_TIMEOUT_S)
         left = sorted(p.name for p in (disk / "checkpoints").iterdir())
-        assert left == ["ckpt-00000002.pt"]  # the failed write's temporary file is gone too
-        assert load_verified(disk / "checkpoints" / left[0])["trainer"]["step"] == 2
+        assert left == ["step-00000002"]  # the failed checkpoint's folder and temporary files are gone
+        assert [d.name for d in checkpoint_dirs(disk)] == ["step-00000002"]
+        assert load_model_state(disk / "checkpoints" / "step-00000002")
     finally:
         subprocess.run(["umount", str(disk)], check=False)
