@@ -47,7 +47,7 @@ from trainer.comm.cost import (CODES, DENSE, KINDS, Choice, Layout, Network, Sel
                                exposed_s, fit_affine, fit_link, k_of, Link)
 from trainer.comm.dense import WIRE_DTYPES
 from trainer.comm.sparse import TopKCommunicator, pack, scatter_payloads
-from trainer.dist import Topology
+from trainer.dist import Group, Topology
 
 MARGIN = 0.02
 """A bucket leaves dense only for a predicted saving above this fraction of the step's exposed time
@@ -349,7 +349,7 @@ class AutoCommunicator(TopKCommunicator):
         delay = self.inter_delay_s_per_mb
         out: dict[str, list[tuple[float, float]]] = {}
 
-        def probe(name: str, group, op: str, sizes: Sequence[int], dtype: torch.dtype, inter_share: float) -> None:
+        def probe(name: str, group: Group, op: str, sizes: Sequence[int], dtype: torch.dtype, inter_share: float) -> None:
             rows = []
             for n in sizes:
                 t = torch.ones(n, dtype=dtype, device=topo.device)
