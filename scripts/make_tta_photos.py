@@ -16,9 +16,9 @@ Every image is data.imagenet_like.random_view of its class: a random crop around
 the photo's height, aspect 3:4 to 4:3, centre jittered by 5% of the photo), mirrored half the time, rotated by up
 to 15 degrees, with brightness, contrast and colour jitter, resized to a random 300-500 x 300-500 px. Training
 images are saved as JPEGs of quality 70-95, so decoding them costs what it costs on ImageNet. Validation images
-are the same kind of view, resized (PIL, antialiased bilinear) so the shorter side is 73 px, center-cropped to
-73 x 73 and saved as lossless PNG: every reader decodes exactly the same pixels, and the evaluation's resize to a
-shorter side of 73 px (round(64 x 1.14)) is the identity, so a 64 px center crop is the same input on every
+are the same kind of view, resized (PIL, antialiased bilinear) so the shorter side is 55 px, center-cropped to
+55 x 55 and saved as lossless PNG: every reader decodes exactly the same pixels, and the evaluation's resize to a
+shorter side of 55 px (round(48 x 1.14)) is the identity, so a 48 px center crop is the same input on every
 side. Classes are balanced (image i has class i mod classes). Deterministic (seed); a `.complete` marker makes a
 rerun a no-op.
 
@@ -42,7 +42,7 @@ from data.imagenet_like import jpeg_bytes, random_view
 SKIMAGE_PHOTOS = ("astronaut", "brick", "camera", "chelsea", "clock", "coffee", "coins", "grass", "gravel",
                   "hubble_deep_field", "immunohistochemistry", "moon", "page", "retina", "rocket", "text", "cell",
                   "stereo_motorcycle")
-VAL_SIDE = 73  # the shorter side both sides' validation resizes to (64 px crop x 1.14)
+VAL_SIDE = 55  # the shorter side both sides' validation resizes to (48 px crop x 1.14)
 
 
 def photos() -> list[tuple[str, Image.Image]]:

@@ -5,6 +5,7 @@ validation pixels; the bench's run control; the frozen configs."""
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,7 @@ def test_compare_pairs_runs_by_seed_not_by_rank():
     result = compare(runs)
     assert result["seeds"] == [100, 101, 102] and result["ratios"] == [0.4, 0.5, 0.15]
     assert result["ratio"] == 0.4 and result["missed"] == []
-    low, high = result["interval_90"]
+    low, high = result["interval"]
     assert low <= 0.4 <= high and low >= 0.15 and high <= 0.5
 
 
@@ -78,7 +79,7 @@ def test_compare_with_a_missed_seed():
             run("recipe", 101, 30.0), run("baseline", 102, 100.0), run("recipe", 102, 40.0)]
     result = compare(runs)
     assert result["ratios"] == [None, 0.3, 0.4] and result["ratio"] == 0.4  # the miss sorts last, not dropped
-    assert result["missed"] == ["recipe seed 100"] and result["interval_90"][1] is None  # unbounded above
+    assert result["missed"] == ["recipe seed 100"] and result["interval"][1] is None  # unbounded above
 
 
 def test_compare_needs_both_sides_of_every_seed():
@@ -137,7 +138,7 @@ def test_both_sides_evaluate_the_same_pixels(photos, tmp_path):
     args = tta_baseline.parse_args(["--config", tta.BASELINE_CONFIG, f"--data-path={photos}", "--workers=0"])
     _, val_loader, classes = tta_baseline.load_data(args, rank=0, world=1)
     base, base_labels = torch.cat([b[0] for b in val_loader]), torch.cat([b[1] for b in val_loader])
-    assert classes == 4 and dali.shape == base.shape == (12, 3, 64, 64)
+    assert classes == 4 and dali.shape == base.shape == (12, 3, val_size, val_size)
     assert torch.equal(dali_labels, base_labels)
     assert (dali - base).abs().max() < 1e-5  # float rounding of the normalization only
 
@@ -161,7 +162,7 @@ def baseline_runs(tmp_path_factory: pytest.TempPathFactory, photos: Path) -> dic
                "--target-consecutive=2"]
     missed = [*common, f"--output-dir={root / 'missed'}", "--epochs=2", "--target-top1=1.0"]
     (root / "group").mkdir()
-    run_ranks(_baseline_runs, 2, root / "group", [stopped, missed])
+    run_ranks(_baseline_runs, 2, root / "group", [stopped, missed], timeout=600.0)
     return {"stopped": root / "stopped", "missed": root / "missed"}
 
 
@@ -205,8 +206,11 @@ def test_baseline_config_file(tmp_path, capsys):
 # ---------------------------------------------------------------- running a side
 
 FAKE_TRAINER = """
-import json, sys, time
+import json, subprocess, sys, time
 from pathlib import Path
+# A worker in a session of its own, as torchrun starts them: ending the run must end it too.
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+(Path(sys.argv[1]) / "worker.pid").write_text(str(worker.pid))
 log = open(Path(sys.argv[1]) / "metrics.jsonl", "a", buffering=1)
 for epoch, top1 in enumerate([0.5, 0.95, 0.8, 0.95, 0.96] + [0.97] * 10000):
     log.write(json.dumps({"kind": "epoch", "epoch": epoch, "eval/top1": top1, "time/elapsed_s": epoch + 1.0}) + "\\n")
@@ -219,6 +223,13 @@ def test_launch_ends_a_run_once_it_reached_the_target(tmp_path):
     launch([sys.executable, "-c", FAKE_TRAINER, str(run_dir)], run_dir, 0.9, 2)  # would write records for ~30 min
     got = read_run("recipe", 0, run_dir, 0.9, 2, 1.0, 1.0, 1.0)
     assert got.epochs_to_target == 5 and got.time_to_target_s == 5.0 and got.epochs_run < 100
+    worker = int((run_dir / "worker.pid").read_text())
+    for _ in range(100):  # SIGKILLed; gone once its parent (now init) has reaped it
+        if not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"worker {worker} of the ended run is still running")
 
 
 def test_a_failed_launch_shows_the_command_status_and_log_tail(tmp_path):

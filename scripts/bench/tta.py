@@ -6,8 +6,8 @@
 
 The task (scripts/make_tta_photos.py, written to datasets/tta_photos if missing): 40 classes, two overlapping
 regions of each of 20 real photographs (18 of scikit-image's, scikit-learn's 2), 2,000 training JPEGs of 300-500
-px, 2,000 validation images stored as 73 px PNGs, so both sides evaluate the same decoded pixels at the same
-resolution (shorter side 73 px, the identity resize, then a 64 px center crop). ResNet-18 from scratch, 2
+px, 2,000 validation images stored as 55 px PNGs, so both sides evaluate the same decoded pixels at the same
+resolution (shorter side 55 px, the identity resize, then a 48 px center crop). ResNet-18 from scratch, 2
 processes (torchrun, gloo, 1 CPU thread each), global batch 64, one input worker per rank, the same
 augmentation (random-resized crop, area 0.35-1, flips).
 
@@ -169,6 +169,33 @@ def read_run(side: str, seed: int, run_dir: Path, target: float, consecutive: in
                top1=top1, elapsed_s=elapsed)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts each worker in a session of its own, so a process group does
+    not hold them), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process has just exited
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def end_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (no process outside its tree)."""
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def launch(cmd: list[str], run_dir: Path, target: float, consecutive: int) -> float:
     """Run one training (output to run_dir/train.log) until it exits or has reached the target, then end it
     (its process group); the process's wall seconds."""
@@ -181,7 +208,7 @@ def launch(cmd: list[str], run_dir: Path, target: float, consecutive: int) -> fl
             time.sleep(0.5)
             top1 = [float(r["eval/top1"]) for r in epoch_records(run_dir)]
             if reached_at(top1, target, consecutive) is not None:
-                os.killpg(proc.pid, signal.SIGKILL)  # the time is recorded; the rest of the schedule is not needed
+                end_tree(proc.pid)  # the time is recorded; the rest of the schedule is not needed
                 proc.wait()
                 stopped = True
     seconds = time.perf_counter() - start
@@ -283,7 +310,8 @@ def compare(runs: Sequence[Run]) -> dict[str, Any]:
             "baseline_epochs": [by_seed[s]["baseline"].epochs_to_target for s in seeds],
             "recipe_epochs": [by_seed[s]["recipe"].epochs_to_target for s in seeds],
             "missed": [f"{side} seed {s}" for s in seeds for side in SIDES if not by_seed[s][side].reached],
-            "interval_90": [finite_or_none(x) for x in interval], "ratio": finite_or_none(median)}
+            "interval": [finite_or_none(x) for x in interval], "interval_level": 0.9,
+            "ratio": finite_or_none(median)}
 
 
 def report(runs: Sequence[Run], result: dict[str, Any], target: float, consecutive: int) -> None:
@@ -297,7 +325,7 @@ def report(runs: Sequence[Run], result: dict[str, Any], target: float, consecuti
                      "-" if ratio is None else f"{ratio:.3f}", f"{b.load_before:.1f}/{b.load_after:.1f}",
                      f"{r.load_before:.1f}/{r.load_after:.1f}"])
     print_table(["seed", "first", "baseline s", "recipe s", "recipe/baseline", "load baseline", "load recipe"], rows)
-    low, high = result["interval_90"]
+    low, high = result["interval"]
     print(f"time to {100 * target:g}% top-1 ({consecutive} evaluations in a row), recipe / baseline, median of "
           f"{len(result['seeds'])} paired ratio(s): {result['ratio']}; bootstrap 90% interval [{low}, {high}]"
           + (f"; missed: {', '.join(result['missed'])}" if result["missed"] else ""))
