@@ -433,8 +433,10 @@ def build_network(layout: Layout, probes: dict[str, list[tuple[float, float]]],
     AutoCommunicator._probe_links) and the sparse local work's [(elements, seconds)]."""
     w, per, nodes = layout.world, layout.per_node, layout.nodes
     links = {"world": fit_link(probes["world"], 2 * (w - 1), 2 * (w - 1) / w)}
-    if "world16" in probes:
-        links["world16"] = fit_link(probes["world16"], 2 * (w - 1), 2 * (w - 1) / w)
+    if "world16" in probes:  # a link carries bytes: a 16-bit wire is never faster per byte (its sums may be slower)
+        fitted = fit_link(probes["world16"], 2 * (w - 1), 2 * (w - 1) / w)
+        links["world16"] = Link(max(fitted.alpha_s, links["world"].alpha_s),
+                                min(fitted.bytes_per_s, links["world"].bytes_per_s))
     if "world_gather" in probes:
         links["world_gather"] = fit_link(probes["world_gather"], w - 1, w - 1)
     if "inter" in probes:
