@@ -31,10 +31,11 @@ import io
 import os
 import shutil
 import tarfile
-from concurrent.futures import ProcessPoolExecutor
+import signal
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 from tqdm import tqdm
 
@@ -162,17 +163,20 @@ def extract_class(train_tar: str, name: str, offset: int, size: int, out: str) -
     work.mkdir(parents=True)
     n = 0
     try:
-        with _Window(Path(train_tar), offset, size) as raw, tarfile.open(fileobj=raw, mode="r|") as tar:
+        with io.BufferedReader(_Window(Path(train_tar), offset, size), 1 << 20) as raw, \
+                tarfile.open(fileobj=raw, mode="r|") as tar:
             for member in tar:
                 if member.isfile() and has_image_extension(member.name):
-                    member.name = Path(member.name).name  # the class archives are flat; never a path outside
-                    tar.extract(member, work, filter="data")
+                    # the class archives are flat: the base name only, never a path outside `work`
+                    with tar.extractfile(member) as src, open(work / Path(member.name).name, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
                     n += 1
     except (tarfile.TarError, OSError, EOFError) as e:
         raise PrepareError(f"{train_tar}: the class archive {name} is damaged ({e}); the classes extracted so far "
                            f"are kept: replace the archive and run again") from None
     if n == 0:
         raise PrepareError(f"{train_tar}: the class archive {name} holds no images")
+    final.parent.mkdir(parents=True, exist_ok=True)
     os.replace(work, final)
     return wnid, n
 
@@ -211,15 +215,19 @@ def prepare_train(train_tar: Path, out: Path, workers: int = 1, progress: bool =
                unit="class", disable=not progress)
     with bar:
         if workers <= 1:
-            results: Iterable[tuple[str, int]] = (extract_class(*job) for job in jobs)
-            for wnid, n in results:
+            for job in jobs:
+                wnid, n = extract_class(*job)
                 done[wnid] = n
                 bar.update()
         else:
-            with ProcessPoolExecutor(workers) as pool:
-                for wnid, n in pool.map(extract_class, *zip(*jobs)) if jobs else ():
+            pool = ProcessPoolExecutor(workers, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+            try:  # Ctrl-C reaches the workers too: they ignore it, and this process stops the pool
+                for future in as_completed([pool.submit(extract_class, *job) for job in jobs]):
+                    wnid, n = future.result()
                     done[wnid] = n
                     bar.update()
+            finally:  # classes being extracted finish (they are renamed into place); queued ones never start
+                pool.shutdown(wait=True, cancel_futures=True)
     return done
 
 

@@ -186,6 +186,10 @@ def preflight(root: str | Path, expect: str = "auto") -> str:
     if fs.isdir(f"{base.rstrip('/')}/{STAGING}"):
         problems.append(f"{STAGING}/ is there: a preparation was interrupted; run scripts/prepare_imagenet.py "
                         f"again with the same arguments to finish it")
+    archives = sorted(Path(a).name for a in fs.glob(f"{base.rstrip('/')}/ILSVRC2012_img_*.tar"))
+    if archives:
+        problems.append(f"it holds the ILSVRC2012 archives ({', '.join(archives)}), not the prepared folders: "
+                        f"`python scripts/prepare_imagenet.py --archives {root} --out <dataset root>` prepares them")
     counts = []
     for split in ("train", "val"):
         try:
@@ -217,7 +221,8 @@ def preflight(root: str | Path, expect: str = "auto") -> str:
         problems += _imagenet_problems(train, val)
     what = "ImageNet (ILSVRC2012)" if imagenet else "dataset"
     if problems:
-        hint = f"\n  ({PREPARE_HINT})" if not train.per_class or not val.per_class else ""
+        interrupted = problems[0].startswith(STAGING)  # the rerun is the whole answer
+        hint = f"\n  ({PREPARE_HINT})" if (not train.per_class or not val.per_class) and not interrupted else ""
         raise DatasetNotFoundError(f"{shown}: {what} not ready:\n  " + "\n  ".join(problems) + hint)
     return (f"{shown}: {what}, {len(train.per_class)} classes, {train.total:,} training and {val.total:,} "
             f"validation images: ok")

@@ -211,8 +211,10 @@ def test_bad_inputs_get_one_clear_line(archives, tmp_path):
                       "--out", str(tmp_path / "e"), "--no-progress"])
 
 
-def test_the_imagenet_check_names_what_is_missing(tmp_path):
+def test_the_imagenet_check_names_what_is_missing(archives, tmp_path):
     """1,000 WordNet-id classes make a folder ImageNet: short classes, a missing class, wrong val counts."""
+    with pytest.raises(DatasetNotFoundError, match=r"holds the ILSVRC2012 archives .*prepare_imagenet.py --archives"):
+        preflight(archives)  # the archives' folder given as the dataset
     root = tmp_path / "imagenet"
     wnids = [f"n{10_000_000 + i:08d}" for i in range(1000)]
     for split in ("train", "val"):
