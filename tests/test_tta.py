@@ -274,3 +274,20 @@ def test_result_line_carries_both_configs():
     assert got["baseline_config"]["file"] == tta.BASELINE_CONFIG and "lr" in got["baseline_config"]
     assert got["recipe_config"]["file"] == tta.RECIPE_CONFIG and "schedule" in got["recipe_config"]
     assert np.isfinite(got["baseline_config"]["lr"])
+
+
+def test_result_of_finished_runs_keeps_complete_seeds_only(tmp_path):
+    from dataclasses import asdict
+
+    for r in (run("baseline", 100, 50.0), run("recipe", 100, 20.0), run("recipe", 101, 30.0)):
+        (tmp_path / f"{r.side}_seed{r.seed}").mkdir()
+        r.run_dir = str(tmp_path / f"{r.side}_seed{r.seed}")
+        (Path(r.run_dir) / "run.json").write_text(json.dumps({**asdict(r), "target_top1": 0.9,
+                                                              "target_consecutive": 2}))
+    runs, target, consecutive = tta.load_runs(tmp_path)
+    assert sorted((r.side, r.seed) for r in runs) == [("baseline", 100), ("recipe", 100)]
+    assert (target, consecutive) == (0.9, 2) and compare(runs)["ratios"] == [0.4]
+    doc = json.loads((tmp_path / "recipe_seed101" / "run.json").read_text())
+    (tmp_path / "recipe_seed101" / "run.json").write_text(json.dumps({**doc, "target_top1": 0.8}))
+    with pytest.raises(ValueError, match="runs with different targets"):
+        tta.load_runs(tmp_path)

@@ -278,7 +278,28 @@ def run_side(side: str, seed: int, out: Path, target: float, consecutive: int, o
                                        if r.reached else f"target not reached in {r.epochs_run} epochs")
           + f", best top-1 {100 * r.best_top1:.2f}%, process {r.process_s:.1f} s, load {load_before:.1f} -> "
           f"{r.load_after:.1f}", flush=True)
+    (run_dir / "run.json").write_text(json.dumps({**asdict(r), "target_top1": target,
+                                                   "target_consecutive": consecutive}, indent=1) + "\n")
     return r
+
+
+def load_runs(out: Path) -> tuple[list[Run], float, int]:
+    """The finished runs under `out` (each run folder's run.json, written when the run ended), with the target
+    they ran to; only seeds with both sides finished."""
+    docs = [json.loads(p.read_text()) for p in sorted(out.glob("*_seed*/run.json"))]
+    if not docs:
+        raise FileNotFoundError(f"{out}: no finished run (no */run.json)")
+    targets = {(d.pop("target_top1"), d.pop("target_consecutive")) for d in docs}
+    if len(targets) != 1:
+        raise ValueError(f"{out}: runs with different targets {sorted(targets)}")
+    runs = [Run(**d) for d in docs]
+    sides = {}
+    for r in runs:
+        sides.setdefault(r.seed, set()).add(r.side)
+    runs = [r for r in runs if sides[r.seed] == set(SIDES)]
+    runs.sort(key=lambda r: (Path(r.run_dir) / "run.json").stat().st_mtime)  # running order
+    (target, consecutive), = targets
+    return runs, target, consecutive
 
 
 # ---------------------------------------------------------------- the comparison
@@ -374,6 +395,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="--tune: an override (baseline: option=value; recipe: dotted.config.key=value)")
     parser.add_argument("--tuning-seeds", type=int, nargs="+", default=[0], help="--tune: the seeds (< 100)")
+    parser.add_argument("--from-runs", type=Path, metavar="OUT",
+                        help="no training: the result of the finished runs in an earlier run's --out folder")
     common.add_results_option(parser)
     args = parser.parse_args(argv)
     common.record_run(args)
@@ -405,6 +428,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"{DATA}: ResNet-18, 2 processes x 1 CPU thread, target {100 * args.target:g}% top-1 at "
           f"{args.consecutive} evaluations in a row; recipe precision: {precision}; "
           f"{warm_page_cache(root) / 1e6:.0f} MB read once beforehand (page cache warm for both)", flush=True)
+    if args.from_runs is not None:  # the seeds whose both runs finished, e.g. of a run stopped early
+        runs, target, consecutive = load_runs(args.from_runs)
+        return finish(runs, args.from_runs, target, consecutive, precision, seeds)
     if args.tune is not None:
         runs = [run_side(args.tune, seed, out, args.target, args.consecutive, args.set, precision_overrides)
                 for seed in args.tuning_seeds]
@@ -415,14 +441,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return line
     runs = [run_side(side, seed, out, args.target, args.consecutive, (), precision_overrides)
             for seed, side in plan(args.first_seed, seeds)]
+    return finish(runs, out, args.target, args.consecutive, precision, seeds)
+
+
+def finish(runs: Sequence[Run], out: Path, target: float, consecutive: int, precision: str,
+           planned: int) -> dict[str, Any]:
+    """Plot, table, the result file and the last-line JSON of finished runs."""
     from scripts.plot_tta import plot
 
-    png = plot([Path(r.run_dir) for r in runs], out / "tta.png", "top1", args.target,
+    png = plot([Path(r.run_dir) for r in runs], out / "tta.png", "top1", target,
                [f"{r.side} (seed {r.seed})" for r in runs], [SIDE_COLORS[r.side] for r in runs])
     result = compare(runs)
-    report(runs, result, args.target, args.consecutive)
+    report(runs, result, target, consecutive)
     line = {"bench": "tta", "baseline": BASELINE, "dataset": str(DATA), "model": "resnet18",
-            "target_top1": args.target, "target_consecutive": args.consecutive, "recipe_precision": precision,
+            "target_top1": target, "target_consecutive": consecutive, "recipe_precision": precision,
+            "seeds_planned": planned, "complete": len(result["seeds"]) >= planned,
             **configs(), "runs": [{k: v for k, v in asdict(r).items() if k not in ("top1", "elapsed_s")}
                                   for r in runs],
             "plot": str(png), **{k: v for k, v in result.items() if k != "ratio"}, "ratio": result["ratio"]}
