@@ -56,6 +56,11 @@ script that runs `scontrol requeue` on it (docs/reliability.md)."""
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+def ranks(first: int, last: int) -> str:
+    """'rank 2' or 'ranks 0-1', for messages."""
+    return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
+
 def holds_tensors(value: Any) -> bool:
     """Whether a state entry holds tensors (nested dicts, lists, tuples)."""
     if isinstance(value, torch.Tensor):
@@ -94,8 +99,9 @@ class TrainConfig:
     """How many of the newest checkpoints to keep."""
     resume: bool | Literal["auto"] = "auto"
     """Resume from the newest valid checkpoint in log.dir/checkpoints: true (also --resume); false = a fresh
-    run (what log.dir held is archived); auto = when torchrun restarts the job after a failure
-    (torchrun --max-restarts N sets TORCHELASTIC_RESTART_COUNT), else fresh."""
+    run (what log.dir held is archived); auto = when the job was restarted: by torchrun after a failure or a
+    preemption (torchrun --max-restarts N sets TORCHELASTIC_RESTART_COUNT) or by a Slurm requeue
+    (SLURM_RESTART_COUNT), else fresh."""
     deterministic: bool = False
     """Deterministic kernels only (torch.use_deterministic_algorithms): with the same world size and thread
     count, a run killed and resumed ends bitwise equal to an uninterrupted one."""
@@ -128,9 +134,10 @@ class TrainConfig:
                 "train.preempt_grace_s and train.preempt_check_every_steps must be > 0")
 
     def should_resume(self) -> bool:
-        """Whether this start resumes: asked for, or (auto) a torchrun restart after a rank failed."""
+        """Whether this start resumes: asked for, or (auto) a torchrun restart or a requeued Slurm job."""
         if self.resume == "auto":
-            return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+            return any(int(os.environ.get(name, "0") or 0) > 0
+                       for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
         return bool(self.resume)
 
 
@@ -357,8 +364,8 @@ class Trainer:
         comm = (f"dropped the communicator's per-rank state {dropped} (error-feedback residuals) of all {saved} "
                 f"ranks ({rank_bytes / 1e6:.2f} MB of rank files): every rank starts with zero residuals"
                 if dropped else "the communicator had no per-rank tensors to drop")
-        rng = (f"ranks {saved}-{world - 1} seeded their random generators from train.seed, ranks 0-{saved - 1} "
-               "restored theirs" if world > saved else "ranks 0-{} restored their random generators".format(world - 1))
+        rng = (f"{ranks(saved, world - 1)} seeded random generators from train.seed, {ranks(0, saved - 1)} "
+               "restored theirs" if world > saved else f"{ranks(0, world - 1)} restored their random generators")
         position = (f"data position kept: sample {shared['trainer']['samples_in_epoch']} of epoch {self.epoch} = "
                     f"step {self.step_in_epoch} at global batch {batch}")
         if rest:

@@ -8,7 +8,8 @@ restarted job runs clean):
 
 - `kill`: the process SIGKILLs itself (a crashed node, an OOM kill);
 - `stop`: it SIGSTOPs itself (a hung process: alive, holding its sockets, answering nothing);
-- `nan`: the gradient of the model's first parameter is NaN for that step (a numerical blow-up).
+- `nan`: the gradient of the model's first parameter is NaN for that step (a numerical blow-up);
+- `term`, `usr1`: it sends itself SIGTERM or SIGUSR1 (a preemption notice: spot instances, Slurm).
 
 The recipe itself has no test hooks: `install` wraps `recipes.resnet50.build_model`.
 """
@@ -19,7 +20,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -27,9 +28,12 @@ from torch import nn
 import recipes.resnet50 as recipe
 
 
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "usr1": signal.SIGUSR1}
+
+
 @dataclass(frozen=True)
 class Fault:
-    kind: Literal["kill", "stop", "nan"]
+    kind: Literal["kill", "stop", "nan", "term", "usr1"]
     rank: int
     step: int
     attempt: int = 0
@@ -37,8 +41,8 @@ class Fault:
     @classmethod
     def parse(cls, spec: str) -> Fault:
         kind, rank, step, *attempt = spec.split(":")
-        if kind not in ("kill", "stop", "nan"):
-            raise ValueError(f"FAULT={spec!r}: kind must be kill, stop or nan")
+        if kind not in SIGNALS and kind != "nan":
+            raise ValueError(f"FAULT={spec!r}: kind must be one of {', '.join(SIGNALS)} or nan")
         return cls(kind, int(rank), int(step), int(attempt[0]) if attempt else 0)  # type: ignore[arg-type]
 
 
@@ -55,9 +59,9 @@ def arm(model: nn.Module, fault: Fault) -> None:
         if not module.training:
             return  # evaluation
         steps += 1
-        if steps == fault.step and fault.kind in ("kill", "stop"):
+        if steps == fault.step and fault.kind in SIGNALS:
             sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+            os.kill(os.getpid(), SIGNALS[fault.kind])
 
     def poison(grad: torch.Tensor) -> torch.Tensor:
         return torch.full_like(grad, float("nan")) if steps == fault.step else grad
@@ -71,8 +75,8 @@ def install(fault: Fault) -> None:
     """Make the recipe's `build_model` return models carrying `fault`."""
     build = recipe.build_model
 
-    def build_with_fault(cfg: recipe.ModelConfig, num_classes: int) -> nn.Module:
-        model = build(cfg, num_classes)
+    def build_with_fault(cfg: recipe.ModelConfig, num_classes: int, *args: Any, **kwargs: Any) -> nn.Module:
+        model = build(cfg, num_classes, *args, **kwargs)
         arm(model, fault)
         return model
 

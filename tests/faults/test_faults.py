@@ -113,6 +113,25 @@ def test_a_torn_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, digi
     assert_same_weights(reference, final_state(run))  # step 10 trained again, to the same bits
 
 
+# ---------------------------------------------------------------- preemption
+
+
+def test_a_sigterm_to_one_rank_checkpoints_exits_75_and_the_restart_ends_equal(tmp_path, digits_root, uninterrupted):
+    """A preemption notice to rank 1 in step 7 (between the step-6 checkpoint and the step-9 one): every rank
+    finishes step 7, they write a checkpoint of it together and exit 75; torchrun restarts the job, which
+    resumes at step 7 and ends with the uninterrupted run's weights and scores."""
+    reference = final_state(uninterrupted("dense"))
+    done = torchrun(recipe_args(digits_root, tmp_path, "dense"), restarts=1, fault="term:1:7")
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert re.search(r"preempted: .*reached 1 rank\(s\); checkpoint of step 7 complete .* exiting with status 75",
+                     done.stdout), done.stdout[-4000:]
+    assert "exitcode: 75" in done.stdout  # what torchrun saw, and restarted on
+    assert re.search(r"resumed from \S+step-00000007 at epoch 1, step 7", done.stdout), done.stdout[-4000:]
+    assert_same_weights(reference, final_state(tmp_path))
+    a, b = (json.loads((run / "summary.json").read_text()) for run in (uninterrupted("dense"), tmp_path))
+    assert a["final"]["eval/top1"] == b["final"]["eval/top1"] and a["final"]["eval/loss"] == b["final"]["eval/loss"]
+
+
 # ---------------------------------------------------------------- a stopped (hung) rank
 
 

@@ -1,0 +1,135 @@
+"""Per-rank checkpoints for real: 2 gloo ranks of the ResNet recipe (resnet18, 16 px digits, deterministic),
+stopped by a SIGTERM to one rank, resumed on 2 ranks (bitwise the uninterrupted run) and on 3 (it goes on,
+saying what it dropped); a corrupted rank file makes every rank fall back to the previous checkpoint.
+
+Schedule: 2 epochs x 3 steps at global batch 12 (6 per rank on 2 ranks, 4 on 3), checkpoints at the epoch
+ends (steps 3 and 6); the SIGTERM reaches rank 1 during step 5, so the preemption checkpoint is step 5, inside
+epoch 1.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_ranks
+from tests.faults.inject import Fault, install
+from tests.test_trainer import TINY, phases
+from trainer.checkpoint import MANIFEST, MODEL, checkpoint_dirs, latest_checkpoint, rank_file
+from trainer.loop import PREEMPTED_EXIT_CODE
+
+TIMEOUT_S = 400  # a guard against a hang, not a speed requirement
+
+
+def recipe_args(digits_root: Path, log_dir: Path, *extra: str) -> list[str]:
+    return ["--config", "configs/quickstart_cpu.yaml", f"data.root={digits_root}", *TINY, "log.tensorboard=false",
+            "train.epochs=2", phases(2, batch=12), "train.max_steps_per_epoch=3", "train.deterministic=true",
+            "train.target_top1=0", "comm.kind=topk", "comm.density=0.05", "comm.dense_below=1000",
+            f"log.dir={log_dir}", *extra]
+
+
+def _train(rank: int, world: int, argv: list[str], fault: str) -> dict:
+    """One rank of the recipe, with `fault` planted; its exit status and the warnings it raised."""
+    if fault:
+        install(Fault.parse(fault))
+    from recipes.resnet50 import main
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            main(argv)
+            status = 0
+        except SystemExit as e:
+            status = e.code
+    return {"status": status, "warnings": [str(w.message) for w in caught]}
+
+
+def train(tmp_path: Path, world: int, argv: list[str], fault: str = "") -> list[dict]:
+    workdir = Path(tmp_path) / f"ranks-{len(list(Path(tmp_path).glob('ranks-*')))}"
+    workdir.mkdir(parents=True)
+    return run_ranks(_train, world, workdir, argv, fault, timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, digits_root: Path) -> dict[str, Path]:
+    """The uninterrupted 2-rank run, and one whose rank 1 got a SIGTERM in step 5."""
+    base = tmp_path_factory.mktemp("per-rank")
+    assert [r["status"] for r in train(base, 2, recipe_args(digits_root, base / "straight"))] == [0, 0]
+    results = train(base, 2, recipe_args(digits_root, base / "preempted"), fault="term:1:5")
+    assert [r["status"] for r in results] == [PREEMPTED_EXIT_CODE] * 2  # every rank: the restartable status
+    return {"straight": base / "straight", "preempted": base / "preempted"}
+
+
+def resumed_copy(runs: dict[str, Path], tmp_path: Path, name: str) -> Path:
+    run = tmp_path / name
+    shutil.copytree(runs["preempted"], run)
+    return run
+
+
+def test_a_sigterm_to_one_rank_leaves_a_complete_per_rank_checkpoint(runs):
+    newest = checkpoint_dirs(runs["preempted"])[0]
+    assert newest.name == "step-00000005"  # the step rank 1 was in when the signal came, finished
+    manifest = json.loads((newest / MANIFEST).read_text())
+    assert manifest["world_size"] == 2 and manifest["step"] == 5
+    assert set(manifest["files"]) == {MODEL, "shared.pt", rank_file(0), rank_file(1)}
+    # the model part opens with plain torch.load, no code of ours (so do the others)
+    weights = torch.load(newest / MODEL, weights_only=True)
+    assert "fc.weight" in weights and weights["fc.weight"].shape[0] == 10
+    for name in manifest["files"]:
+        torch.load(newest / name, weights_only=True)
+    state, _ = latest_checkpoint(runs["preempted"])
+    assert state["trainer"]["epoch"] == 1 and state["trainer"]["step_in_epoch"] == 2
+    assert state["trainer"]["samples_in_epoch"] == 24
+    assert all(r["comm"]["residuals"] for r in state["ranks"])  # each rank's error feedback, in its own file
+    assert not (runs["preempted"] / "summary.json").exists()
+
+
+def test_the_preempted_run_resumes_on_2_ranks_bitwise_equal(runs, tmp_path, digits_root):
+    run = resumed_copy(runs, tmp_path, "on2")
+    results = train(tmp_path, 2, recipe_args(digits_root, run, "train.resume=true"))
+    assert [r["status"] for r in results] == [0, 0]
+    assert not any("written by" in w for r in results for w in r["warnings"])
+    straight, _ = latest_checkpoint(runs["straight"])
+    resumed, _ = latest_checkpoint(run)
+    assert straight["trainer"]["step"] == resumed["trainer"]["step"] == 6
+    different = [k for k, v in straight["model"].items() if not torch.equal(v, resumed["model"][k])]
+    assert not different, different[:5]
+    for r in (0, 1):  # the residuals went on from where they were, rank by rank
+        for bucket, residual in straight["ranks"][r]["comm"]["residuals"].items():
+            assert torch.equal(residual, resumed["ranks"][r]["comm"]["residuals"][bucket])
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (runs["straight"], run))
+    assert a["final"]["eval/top1"] == b["final"]["eval/top1"] and a["steps"] == b["steps"] == 6
+
+
+def test_the_preempted_run_resumes_on_3_ranks_with_a_warning(runs, tmp_path, digits_root):
+    run = resumed_copy(runs, tmp_path, "on3")
+    results = train(tmp_path, 3, recipe_args(digits_root, run, "train.resume=true"))
+    assert [r["status"] for r in results] == [0, 0, 0]
+    (warning,) = [w for w in results[0]["warnings"] if "written by" in w]
+    assert "written by 2 ranks, on 3 ranks" in warning
+    assert "dropped the communicator's per-rank state ['residuals']" in warning
+    assert "rank 2 seeded random generators from train.seed, ranks 0-1 restored theirs" in warning
+    assert "sample 24 of epoch 1 = step 2 at global batch 12" in warning
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 3 and summary["steps"] == 6 and summary["epochs_run"] == 2
+    state, newest = latest_checkpoint(run)
+    assert newest.name == "step-00000006" and len(state["ranks"]) == 3  # now a 3-rank checkpoint
+
+
+def test_a_corrupted_rank_file_falls_back_to_the_previous_checkpoint(runs, tmp_path, digits_root):
+    run = resumed_copy(runs, tmp_path, "corrupt")
+    torn = run / "checkpoints" / "step-00000005" / rank_file(1)
+    data = bytearray(torn.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    torn.write_bytes(bytes(data))
+    results = train(tmp_path, 2, recipe_args(digits_root, run, "train.resume=true"))
+    assert [r["status"] for r in results] == [0, 0]
+    assert any("skipping checkpoint" in w and "rank-00001.pt: checksum mismatch" in w for w in results[0]["warnings"])
+    straight, _ = latest_checkpoint(runs["straight"])
+    resumed, _ = latest_checkpoint(run)  # from step 3 (the epoch end), steps 4-6 trained again
+    different = [k for k, v in straight["model"].items() if not torch.equal(v, resumed["model"][k])]
+    assert not different, different[:5]
