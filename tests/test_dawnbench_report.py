@@ -33,7 +33,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, digits_root: Path) -> dict[st
     reached = [*common, f"log.dir={root / 'reached'}", "train.epochs=2", phases(2), "train.target_top1=0.0",
                "train.target_top5=0.05", "train.stop_at_target=false"]  # top-5 of 10 classes is >= 5% at once
     missed = [*common, f"log.dir={root / 'missed'}", "train.epochs=1", phases(1), "train.target_top1=1.0"]
-    run_ranks(_train_runs, 1, root, [reached, missed])
+    run_ranks(_train_runs, 1, root, [reached, missed], timeout=600)  # two runs, on a shared, loaded box
     return {"reached": root / "reached", "missed": root / "missed"}
 
 

