@@ -148,3 +148,14 @@ def test_a_bucket_that_hides_behind_backward_stays_dense_and_the_safe_density_bo
     _, all_dense = choose(sizes, [100.0, 0.0], net, lambda n: [DENSE], local_competes=False)
     assert t < all_dense
     assert math.isfinite(t)
+
+
+def test_link_fit_recovers_latency_and_bandwidth_and_survives_noise():
+    from trainer.comm.cost import fit_link, ring_allreduce_s
+
+    link = Link(2e-3, 50e6)
+    points = [(4 * n, ring_allreduce_s(4 * n, 4, link)) for n in (1e4, 1e6)]
+    fitted = fit_link(points, 6, 1.5)
+    assert math.isclose(fitted.alpha_s, 2e-3, rel_tol=1e-6) and math.isclose(fitted.bytes_per_s, 50e6, rel_tol=1e-6)
+    noisy = fit_link([(1e4, 0.02), (1e6, 0.01)], 6, 1.5)  # the larger probe came out faster
+    assert noisy.alpha_s == 0 and math.isclose(noisy.bytes_per_s, 1.5e6 / 0.01)

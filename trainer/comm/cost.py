@@ -282,8 +282,9 @@ def fit_link(points: Sequence[tuple[float, float]], rounds: float, volume: float
 
     volume: bytes through the busiest link per byte of the measured size (the formula's factor)."""
     fixed, per = fit_affine([(volume * x, t) for x, t in points])
-    if per <= 0:  # times do not grow with size (noise at tiny sizes): latency only, a very fast link
-        per = 1e-12
+    if per <= 0:  # noise hid the growth with size: no latency, the largest size's throughput
+        x, t = max(points)
+        fixed, per = 0.0, max(t, 1e-9) / max(volume * x, 1.0)
     return Link(fixed / rounds if rounds else 0.0, 1.0 / per)
 
 
