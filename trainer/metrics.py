@@ -101,7 +101,7 @@ class MetricsLogger:
             w.close()
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "dawnbench.tsv", "summary.json", "config.yaml", "tensorboard", "checkpoints")
+RUN_OUTPUTS = ("metrics.jsonl", "dawnbench.tsv", "summary.json", "config.yaml", "env.json", "tensorboard", "checkpoints")
 
 
 def archive_previous_run(run_dir: Path) -> Path | None:
