@@ -20,8 +20,9 @@ import torch
 from tests.conftest import run_ranks
 from tests.faults.inject import Fault, install
 from tests.test_trainer import TINY, phases
-from trainer.checkpoint import MANIFEST, MODEL, checkpoint_dirs, latest_checkpoint, rank_file
-from trainer.loop import PREEMPTED_EXIT_CODE
+from trainer.checkpoint import (MANIFEST, MODEL, LegacyCheckpointError, checkpoint_dirs, latest_checkpoint,
+                                rank_file)
+from trainer.loop import PREEMPTED_EXIT_CODE, ProgressLines
 
 TIMEOUT_S = 400  # a guard against a hang, not a speed requirement
 
@@ -133,3 +134,22 @@ def test_a_corrupted_rank_file_falls_back_to_the_previous_checkpoint(runs, tmp_p
     resumed, _ = latest_checkpoint(run)  # from step 3 (the epoch end), steps 4-6 trained again
     different = [k for k, v in straight["model"].items() if not torch.equal(v, resumed["model"][k])]
     assert not different, different[:5]
+
+
+def test_checkpoints_of_the_single_file_format_get_a_clear_error(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "ckpt-00000004.pt").write_bytes(b"old")
+    with pytest.raises(LegacyCheckpointError, match=r"single-file checkpoints of an earlier version \(ckpt-00000004"
+                                                    r"\.pt, \.\.\.\).*train\.resume=false"):
+        checkpoint_dirs(tmp_path)
+
+
+def test_without_a_terminal_progress_is_a_line_every_n_steps(capsys):
+    lines = ProgressLines(total=10, initial=2, every=4)
+    lines.set_postfix(epoch=1, loss="2.310")
+    for _ in range(8):
+        lines.update(1)
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in out] == ["4/10", "8/10", "10/10"]  # every 4th step, and the last
+    assert out[-1].startswith("step 10/10 (100%)") and out[-1].endswith("epoch=1 loss=2.310")
+    assert "\r" not in "".join(out)  # nothing redrawn into a log file
