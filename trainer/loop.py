@@ -251,6 +251,7 @@ class Trainer:
         self.preempt_signal: int | None = None
         """The stop signal this rank received (SIGTERM, SIGUSR1), if any."""
         self.preempted_ranks = 0
+        self.watchdog: threading.Timer | None = None
         # State (checkpointed): next epoch and the steps of it already done, global step, wall-clock seconds
         # so far, eval history, target time, steps the loss scaler skipped.
         self.epoch, self.step_in_epoch, self.step, self.elapsed_s = 0, 0, 0, 0.0
@@ -457,9 +458,9 @@ class Trainer:
         self.preempt_signal = signum
         # The watchdog: past the grace period, leave with the restartable status even without a checkpoint
         # (before the platform's SIGKILL, so that the launcher still sees a restartable exit).
-        watchdog = threading.Timer(self.train_cfg.preempt_grace_s, self.exit_after_grace)
-        watchdog.daemon = True
-        watchdog.start()
+        self.watchdog = threading.Timer(self.train_cfg.preempt_grace_s, self.exit_after_grace)
+        self.watchdog.daemon = True
+        self.watchdog.start()
 
     def exit_after_grace(self) -> None:
         print(f"rank {self.topo.rank}: {signal.Signals(self.preempt_signal).name} received "
@@ -486,6 +487,8 @@ class Trainer:
         else:
             self.wait_for_checkpoints()
         bar.close()
+        if self.watchdog is not None:
+            self.watchdog.cancel()  # the checkpoint is complete: leave through the normal exit path
         if self.topo.is_main:
             print(f"preempted: a stop signal (SIGTERM/SIGUSR1) reached {max(1, self.preempted_ranks)} rank(s); "
                   f"checkpoint of step {self.step} complete in {time.perf_counter() - start:.1f} s; exiting with "
