@@ -243,7 +243,9 @@ class AutoCommunicator(TopKCommunicator):
         return ready, chain, statistics.median(r[2] for r in rows)
 
     def _max_over_ranks(self, values: list[float]) -> list[float]:
-        gathered = self.topo.world.all_gather(torch.tensor(values, dtype=torch.float64), "calibration max")
+        # on the ranks' device: an NCCL-only group has no CPU backend (NCCL and gloo both carry float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.topo.device)
+        gathered = self.topo.world.all_gather(t, "calibration max")
         return gathered.view(self.topo.world_size, -1).max(dim=0).values.tolist()
 
     def _calibrate(self) -> None:
