@@ -49,6 +49,9 @@ from trainer.comm.dense import WIRE_DTYPES
 from trainer.comm.sparse import TopKCommunicator, pack, scatter_payloads
 from trainer.dist import Group, Topology
 
+WINDOW = 8
+"""Steps timed before each drift check."""
+
 MARGIN = 0.02
 """A bucket leaves dense only for a predicted saving above this fraction of the step's exposed time
 (plus a tenth of a millisecond): ties stay dense."""
@@ -124,11 +127,15 @@ class AutoCommunicator(TopKCommunicator):
         """Exchanges since this process started (calibration is per process: a resumed run measures again)."""
         self._residual_kind: dict[int, str] = {}
         self._folded: list[tuple[int, torch.Tensor, str]] = []
-        self._launched: dict[int, float] = {}
-        self._chain: dict[int, float] = {}
-        self._rows: list[tuple[list[float], list[float], float]] = []
-        """Per measured step: ready-before-end and chain seconds per bucket, and the launch-to-end span."""
-        self._first_launch = 0.0
+        self._launched: dict[int, float | torch.cuda.Event] = {}
+        self._chain: dict[int, tuple[float | torch.cuda.Event, float | torch.cuda.Event]] = {}
+        self._rows: list[tuple[list[float], list[float], float, float]] = []
+        """Per measured step: ready-before-end and chain seconds per bucket, the first-launch-to-usable span
+        and the exposed wait (end of backward to usable gradients)."""
+        self._first_launch: float | torch.cuda.Event = 0.0
+        self._measuring_step = True
+        self._since_check = 0
+        """Steps since calibration or the last drift check."""
         self._options = lambda n: candidates(n, self.net_layout, cfg.densities, cfg.min_density, cfg.dense_below)
 
     # ------------------------------------------------------------ the exchange
@@ -137,15 +144,40 @@ class AutoCommunicator(TopKCommunicator):
     def calibrated(self) -> bool:
         return self.net is not None
 
+    def _mark(self) -> float | torch.cuda.Event:
+        """A point in time on the current stream: on CUDA an event (the host runs ahead of the kernels, and
+        NCCL's wait does not block it), on a CPU the clock."""
+        if self.topo.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def _seconds(start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float:
+        """Seconds between two marks (CUDA: `end` must have completed)."""
+        if isinstance(start, float):
+            return end - start
+        return start.elapsed_time(end) / 1e3
+
+    @property
+    def measuring(self) -> bool:
+        """Whether this step is timed: every calibration step, and the last steps before each drift check
+        (on CUDA timing adds a host sync at the end of the step)."""
+        if not self.calibrated:
+            return True
+        return self._since_check >= self.cfg.redecide_every - min(self.cfg.redecide_every, WINDOW)
+
     def launch(self, bucket: Bucket) -> None:
-        now = time.perf_counter()
-        if not self._launched:
-            self._first_launch = now
-        self._launched[bucket.index] = now
+        if self._measuring_step:
+            now = self._mark()
+            if not self._launched:
+                self._first_launch = now
+            self._launched[bucket.index] = now
         super().launch(bucket)
 
     def exchange(self, bucket: Bucket) -> torch.Tensor:
-        start = time.perf_counter()
+        start = self._mark() if self._measuring_step else None  # on the exchange stream
         choice = self.plan[bucket.index]
         self._fold_residual(bucket, choice.kind)
         if choice.kind == "dense":
@@ -161,7 +193,8 @@ class AutoCommunicator(TopKCommunicator):
         if self.inter_delay_s_per_mb:
             _, inter = exchange_bytes(describe(bucket.numel, choice, self.net_layout), self.net_layout)
             time.sleep(inter / 2**20 * self.inter_delay_s_per_mb)
-        self._chain[bucket.index] = time.perf_counter() - start
+        if start is not None:
+            self._chain[bucket.index] = (start, self._mark())
         return out
 
     def _fold_residual(self, bucket: Bucket, kind: str) -> None:
@@ -186,6 +219,7 @@ class AutoCommunicator(TopKCommunicator):
     def begin_step(self) -> None:
         super().begin_step()
         self._folded = []
+        self._measuring_step = self.measuring
 
     def rollback(self) -> None:
         super().rollback()
@@ -208,19 +242,32 @@ class AutoCommunicator(TopKCommunicator):
     # ------------------------------------------------------------ measuring and deciding
 
     def finish(self) -> dict[str, float]:
-        end = time.perf_counter()
+        if self._next == 0:  # no bucket launched yet: begin_step runs inside super().finish()
+            self._measuring_step = self.measuring
+        timed = self._measuring_step
+        end = self._mark() if timed else None  # backward has ended
         stats = super().finish()
-        done = time.perf_counter()
-        measured = self._local_steps > 0  # the first step pays allocations and connection set-up
+        if timed:
+            done = self._mark()  # the gradients are usable
+            if not isinstance(done, float):
+                done.synchronize()
+            if self._local_steps > 0:  # the first step pays allocations and connection set-up
+                ready = [self._seconds(self._launched[b.index], end) if b.index in self._launched else 0.0
+                         for b in self.buckets]
+                chain = [self._seconds(*self._chain[b.index]) if b.index in self._chain else 0.0
+                         for b in self.buckets]
+                first = self._first_launch if self._launched else end
+                self._rows.append((ready, chain, self._seconds(first, done), self._seconds(end, done)))
         self._local_steps += 1
-        if measured:
-            ready = [end - self._launched.get(b.index, end) for b in self.buckets]
-            self._rows.append((ready, [self._chain.get(b.index, 0.0) for b in self.buckets], done - self._first_launch))
         self._launched, self._chain = {}, {}
-        if not self.calibrated and self._local_steps >= self.calibration_steps:
-            self._calibrate()
-        elif self.calibrated and len(self._rows) >= self.cfg.redecide_every:
-            self._check_drift()
+        if not self.calibrated:
+            if self._local_steps >= self.calibration_steps:
+                self._calibrate()
+        else:
+            self._since_check += 1
+            if self._since_check >= self.cfg.redecide_every:
+                self._since_check = 0
+                self._check_drift()
         return {**stats, **self.decision_stats(stats)}
 
     def decision_stats(self, stats: dict[str, float]) -> dict[str, float]:
@@ -237,10 +284,11 @@ class AutoCommunicator(TopKCommunicator):
                 out[f"measured_ms/{b.index}"] = self._rows[-1][1][b.index] * 1e3
         return out
 
-    def _medians(self, rows: list) -> tuple[list[float], list[float], float]:
+    def _medians(self, rows: list[tuple[list[float], list[float], float, float]]
+                 ) -> tuple[list[float], list[float], float, float]:
         ready = [statistics.median(r[0][i] for r in rows) for i in range(len(self.buckets))]
         chain = [statistics.median(r[1][i] for r in rows) for i in range(len(self.buckets))]
-        return ready, chain, statistics.median(r[2] for r in rows)
+        return ready, chain, statistics.median(r[2] for r in rows), statistics.median(r[3] for r in rows)
 
     def _max_over_ranks(self, values: list[float]) -> list[float]:
         # on the ranks' device: an NCCL-only group has no CPU backend (NCCL and gloo both carry float64)
@@ -249,7 +297,7 @@ class AutoCommunicator(TopKCommunicator):
         return gathered.view(self.topo.world_size, -1).max(dim=0).values.tolist()
 
     def _calibrate(self) -> None:
-        ready, chain, span = self._medians(self._rows)
+        ready, chain, span, _ = self._medians(self._rows)
         probes = self._probe_links()
         select_pts, cast_pt = self._probe_local_work()
         names = sorted(probes)
@@ -312,7 +360,7 @@ class AutoCommunicator(TopKCommunicator):
         return self.topo.device.type == "cpu"
 
     def _check_drift(self) -> None:
-        _, chain, _ = self._medians(self._rows)
+        _, chain, _, _ = self._medians(self._rows)
         self._rows = []
         chain = self._max_over_ranks(chain)
         top = max(range(len(chain)), key=lambda i: self.predicted_chain_s[i])
@@ -337,11 +385,14 @@ class AutoCommunicator(TopKCommunicator):
     # ------------------------------------------------------------ probes
 
     def _timed(self, fn: Callable[[], object], reps: int = 2) -> float:
+        sync = torch.cuda.synchronize if self.topo.device.type == "cuda" else (lambda: None)
         fn()
         times = []
         for _ in range(reps):
+            sync()
             start = time.perf_counter()
             fn()
+            sync()  # the kernels' time, not their launch
             times.append(time.perf_counter() - start)
         return min(times)
 
