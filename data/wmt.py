@@ -27,7 +27,6 @@ an error naming both. The command line is scripts/prepare_wmt.py.
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import re
 import tarfile
@@ -121,21 +120,29 @@ def plan(archives: list[Path], src: str, tgt: str) -> dict[str, list[tuple[Membe
         raise TranslationDataError(f"no training corpus (*.{src}-{tgt}.{src} or *.{tgt}-{src}.{src}) in "
                                    f"{', '.join(a.name for a in archives)}")
 
-    def first(*patterns: str) -> list[Member]:
+    def first(*candidates: tuple[str, str]) -> list[Member]:
+        """The first archive (in order) holding both files of a candidate pair, tried in order."""
         for a in archives:
-            found = [fnmatch.filter([Path(n).name for n in listing[a]], p) for p in patterns]
-            if all(len(f) == 1 for f in found):
-                names = {Path(n).name: n for n in listing[a]}
-                return [Member(a, names[f[0]]) for f in found]
+            names = {Path(n).name: n for n in listing[a]}
+            for pair in candidates:
+                if all(f in names for f in pair):
+                    return [Member(a, names[f]) for f in pair]
         return []
 
     splits = {"train": train}
     for split, year in (("valid", 2013), ("test", 2014)):
-        sgm = first(f"newstest{year}*-src.{src}.sgm", f"newstest{year}*-ref.{tgt}.sgm")
-        plain = [] if sgm else first(f"newstest{year}.{src}", f"newstest{year}.{tgt}")
+        # Exact names: an archive holds every language pair's test set for a year (newstest2014-fren-src.en.sgm
+        # next to newstest2014-deen-src.en.sgm), named for the pair either way round (2014's En-De and De-En
+        # share newstest2014-deen-*); newstest2013 is multi-way parallel, one file per language.
+        sgm_names = [(f"newstest{year}-{pair}-src.{src}.sgm", f"newstest{year}-{pair}-ref.{tgt}.sgm")
+                     for pair in (f"{src}{tgt}", f"{tgt}{src}")] + [
+                     (f"newstest{year}-src.{src}.sgm", f"newstest{year}-ref.{tgt}.sgm")]
+        sgm = first(*sgm_names)
+        plain = [] if sgm else first((f"newstest{year}.{src}", f"newstest{year}.{tgt}"))
         if not (sgm or plain):
-            raise TranslationDataError(f"newstest{year} ({split}): no newstest{year}*-src.{src}.sgm and "
-                                       f"-ref.{tgt}.sgm in {', '.join(a.name for a in archives)} (dev.tgz holds them)")
+            wanted = ", ".join(" + ".join(p) for p in sgm_names)
+            raise TranslationDataError(f"newstest{year} ({split}): none of {wanted} in "
+                                       f"{', '.join(a.name for a in archives)} (dev.tgz holds them)")
         files = sgm or plain
         splits[split] = [(files[0], files[1], bool(sgm))]
     return splits

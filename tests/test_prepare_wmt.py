@@ -65,6 +65,11 @@ def make_archives(folder: Path, sizes: tuple[int, int, int] = (40, 40, 20)) -> d
         add(tar, "dev/newstest2014-deen-src.en.sgm", sgm(test[0], "en", "src"))
         add(tar, "dev/newstest2014-deen-ref.de.sgm", sgm(test[1], "de", "ref"))
         add(tar, "dev/newstest2014-deen-src.de.sgm", sgm(test[1], "de", "src"))
+        for pair in ("csen", "fren"):  # every 2014 pair's English side is there too, as in the real dev.tgz
+            add(tar, f"dev/newstest2014-{pair}-src.en.sgm", sgm(["decoy"], "en", "src"))
+            add(tar, f"dev/newstest2014-{pair}-ref.en.sgm", sgm(["decoy"], "en", "ref"))
+        add(tar, "dev/newstest2013-src.fr.sgm", sgm(["decoy"], "fr", "src"))
+        add(tar, "dev/newstest2013-ref.en.sgm", sgm(["decoy"], "en", "ref"))
     train = ([s for en, _ in corpora for s in en], [s for _, de in corpora for s in de])
     return {"train": train, "valid": valid, "test": test}
 
