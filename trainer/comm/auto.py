@@ -290,11 +290,12 @@ class AutoCommunicator(TopKCommunicator):
         chain = [statistics.median(r[1][i] for r in rows) for i in range(len(self.buckets))]
         return ready, chain, statistics.median(r[2] for r in rows), statistics.median(r[3] for r in rows)
 
-    def _max_over_ranks(self, values: list[float]) -> list[float]:
+    def _over_ranks(self, values: list[float]) -> tuple[list[float], list[float]]:
+        """(maximum, minimum) of each value over the ranks."""
         # on the ranks' device: an NCCL-only group has no CPU backend (NCCL and gloo both carry float64)
         t = torch.tensor(values, dtype=torch.float64, device=self.topo.device)
-        gathered = self.topo.world.all_gather(t, "calibration max")
-        return gathered.view(self.topo.world_size, -1).max(dim=0).values.tolist()
+        gathered = self.topo.world.all_gather(t, "calibration measurements").view(self.topo.world_size, -1).cpu()
+        return gathered.max(dim=0).values.tolist(), gathered.min(dim=0).values.tolist()
 
     def _calibrate(self) -> None:
         ready, chain, span, _ = self._medians(self._rows)
@@ -303,9 +304,12 @@ class AutoCommunicator(TopKCommunicator):
         names = sorted(probes)
         flat = ready + chain + [span] + [t for name in names for _, t in probes[name]] \
             + [t for _, t in select_pts] + [cast_pt[1]]
-        flat = self._max_over_ranks(flat)
+        flat, least = self._over_ranks(flat)
         nb = len(self.buckets)
-        ready, chain, span = flat[:nb], flat[nb:2 * nb], flat[2 * nb]
+        # A bucket's exchange on the rank that launched it last has the least wait for its peers in it, and
+        # the earliest-ready rank bounds how much of it hides: minima. Probes and spans: a step is as slow as
+        # its slowest rank, maxima.
+        ready, chain, span = least[:nb], least[nb:2 * nb], flat[2 * nb]
         pos = 2 * nb + 1
         for name in names:
             probes[name] = [(x, flat[pos + j]) for j, (x, _) in enumerate(probes[name])]
@@ -336,9 +340,12 @@ class AutoCommunicator(TopKCommunicator):
             print(self.table(chain), flush=True)
 
     def _decide(self, start: list[Choice] | None) -> None:
-        sizes = [b.numel for b in self.buckets]
-        plan, _ = choose(sizes, self.ready_before_end, self.net, self._options, self.local_competes, start)
-        pairs = self.topo.world.broadcast_object([(c.kind, c.density) for c in plan], src=0)  # rank 0's plan
+        pairs = None
+        if self.topo.is_main:
+            sizes = [b.numel for b in self.buckets]
+            plan, _ = choose(sizes, self.ready_before_end, self.net, self._options, self.local_competes, start)
+            pairs = [(c.kind, c.density) for c in plan]
+        pairs = self.topo.world.broadcast_object(pairs, src=0)  # rank 0's plan
         self.set_plan([Choice(kind, density) for kind, density in pairs])
 
     def set_plan(self, plan: list[Choice]) -> None:
@@ -360,27 +367,47 @@ class AutoCommunicator(TopKCommunicator):
         return self.topo.device.type == "cpu"
 
     def _check_drift(self) -> None:
-        _, chain, _, _ = self._medians(self._rows)
+        """Every rank gathers the window's measurements; rank 0 decides whether and what changes and broadcasts
+        that in one call, so every rank takes the same branch."""
+        ready, chain, span, exposed = self._medians(self._rows) if self._rows else ([], [], 0.0, 0.0)
         self._rows = []
-        chain = self._max_over_ranks(chain)
+        nb = len(self.buckets)
+        if ready:
+            most, least = self._over_ranks(ready + chain + [span, exposed])
+        else:
+            most, least = self._over_ranks([0.0] * (2 * nb + 2))
+        # backward's length moves (progressive resizing): the ready times follow the measurements
+        self.ready_before_end = least[:nb] if ready else self.ready_before_end
+        update = self._drift_update(least[nb:2 * nb], most[2 * nb], most[2 * nb + 1]) \
+            if self.topo.is_main and ready else None
+        update = self.topo.world.broadcast_object(update, src=0)
+        if update is None:
+            return
+        self.net.net_scale = update["net_scale"]
+        plan = [Choice(k, d) for k, d in update["plan"]] if update["plan"] is not None else self.plan
+        self.set_plan(plan)  # with a new plan, or the same one predicted with the new scale
+        if self.topo.is_main and update["message"]:
+            print(update["message"] + ", ".join(f"{b.index}:{c.label}" for b, c in zip(self.buckets, self.plan)),
+                  flush=True)
+
+    def _drift_update(self, chain: list[float], span: float, exposed: float) -> dict | None:
+        """Rank 0: the new link scale and plan (None: no change) from a window's measurements."""
         top = max(range(len(chain)), key=lambda i: self.predicted_chain_s[i])
         if not self.predicted_chain_s[top] > 0:
-            return
+            return None
         ratio = chain[top] / self.predicted_chain_s[top]
         if abs(ratio - 1) <= self.cfg.hysteresis:
-            return
-        self.net.net_scale = min(max(self.net.net_scale * ratio, 0.05), 100.0)
-        current, _ = predict([b.numel for b in self.buckets], self.ready_before_end, self.plan, self.net,
-                             self.local_competes)
+            return None
+        scale = min(max(self.net.net_scale * ratio, 0.05), 100.0)
+        old, self.net.net_scale = self.net.net_scale, scale
         sizes = [b.numel for b in self.buckets]
+        current, _ = predict(sizes, self.ready_before_end, self.plan, self.net, self.local_competes)
         plan, t = choose(sizes, self.ready_before_end, self.net, self._options, self.local_competes)
+        self.net.net_scale = old
         if t < (1 - self.cfg.hysteresis) * current:
-            self._decide(start=None)
-            if self.topo.is_main:
-                print(f"comm auto: link times moved x{ratio:.2f}; new plan: "
-                      + ", ".join(f"{b.index}:{c.label}" for b, c in zip(self.buckets, self.plan)), flush=True)
-        else:
-            self.set_plan(self.plan)  # the same plan, predicted with the new scale
+            return {"net_scale": scale, "plan": [(c.kind, c.density) for c in plan],
+                    "message": f"comm auto: link times moved x{ratio:.2f}; new plan: "}
+        return {"net_scale": scale, "plan": None, "message": ""}
 
     # ------------------------------------------------------------ probes
 
