@@ -26,6 +26,7 @@ files by the same rules (the 1,000 leaf synsets of meta.mat: num_children == 0).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import os
@@ -35,7 +36,7 @@ import signal
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Iterator
 
 from tqdm import tqdm
 
@@ -118,7 +119,9 @@ def copy_blacklists(devkit: Path, out: Path) -> list[str]:
     with tarfile.open(devkit) as tar:
         for m in tar:
             if m.isfile() and m.name.endswith("validation_blacklist.txt"):
-                (out / Path(m.name).name).write_bytes(tar.extractfile(m).read())
+                data = tar.extractfile(m).read()
+                with _writing(out):
+                    (out / Path(m.name).name).write_bytes(data)
                 copied.append(Path(m.name).name)
     return copied
 
@@ -132,6 +135,36 @@ def read_val_labels(path: Path) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------- extraction
+
+@contextlib.contextmanager
+def _writing(out: Path | str) -> Iterator[None]:
+    """A failed write (a full disk, no permission) as a PrepareError naming the output folder, apart from a
+    damaged archive: the remedy is space, not a new download."""
+    try:
+        yield
+    except OSError as e:
+        raise PrepareError(f"could not write to {out}: {e.strerror or e}; free space and run again") from None
+
+
+def _copy(src: IO[bytes], dest: Path, out: Path | str) -> None:
+    """The bytes of `src` into the file `dest`; a read error (a damaged archive) propagates as it is, a write error
+    becomes _writing's PrepareError."""
+    with _writing(out):
+        dst = open(dest, "wb")
+    written = False
+    try:
+        while chunk := src.read(1 << 20):
+            with _writing(out):
+                dst.write(chunk)
+        written = True
+    finally:
+        if written:
+            with _writing(out):
+                dst.close()  # flushes the last buffer: a full disk may show only here
+        else:
+            with contextlib.suppress(OSError):
+                dst.close()
+
 
 class _Window(io.RawIOBase):
     """Bytes [offset, offset + size) of a file: one class archive inside the training tar, read as a stream."""
@@ -160,7 +193,8 @@ def extract_class(train_tar: str, name: str, offset: int, size: int, out: str) -
     wnid = Path(name).name.removesuffix(".tar")
     work, final = Path(out) / STAGING / "train" / wnid, Path(out) / "train" / wnid
     shutil.rmtree(work, ignore_errors=True)  # what a killed run left half-written
-    work.mkdir(parents=True)
+    with _writing(out):
+        work.mkdir(parents=True)
     n = 0
     try:
         with io.BufferedReader(_Window(Path(train_tar), offset, size), 1 << 20) as raw, \
@@ -168,16 +202,17 @@ def extract_class(train_tar: str, name: str, offset: int, size: int, out: str) -
             for member in tar:
                 if member.isfile() and has_image_extension(member.name):
                     # the class archives are flat: the base name only, never a path outside `work`
-                    with tar.extractfile(member) as src, open(work / Path(member.name).name, "wb") as dst:
-                        shutil.copyfileobj(src, dst)
+                    with tar.extractfile(member) as src:
+                        _copy(src, work / Path(member.name).name, out)
                     n += 1
     except (tarfile.TarError, OSError, EOFError) as e:
         raise PrepareError(f"{train_tar}: the class archive {name} is damaged ({e}); the classes extracted so far "
                            f"are kept: replace the archive and run again") from None
     if n == 0:
         raise PrepareError(f"{train_tar}: the class archive {name} holds no images")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(work, final)
+    with _writing(out):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(work, final)
     return wnid, n
 
 
@@ -208,7 +243,8 @@ def prepare_train(train_tar: Path, out: Path, workers: int = 1, progress: bool =
     Returns the images per class extracted by this call."""
     members = _class_members(train_tar)
     todo = [m for m in members if not (out / "train" / Path(m.name).name.removesuffix(".tar")).is_dir()]
-    (out / "train").mkdir(parents=True, exist_ok=True)
+    with _writing(out):
+        (out / "train").mkdir(parents=True, exist_ok=True)
     jobs = [(str(train_tar), m.name, m.offset_data, m.size, str(out)) for m in todo]
     done: dict[str, int] = {}
     bar = tqdm(total=len(members), initial=len(members) - len(todo), desc=f"train classes -> {out / 'train'}",
@@ -263,7 +299,8 @@ def prepare_val(val_tar: Path | None, labels: dict[str, str], out: Path, classes
         raise PrepareError(f"{val}: no validation images to sort; give the validation archive ({VAL_TAR})")
     else:
         _extract_val(val_tar, labels, work, progress)
-        os.replace(work, val)
+        with _writing(out):
+            os.replace(work, val)
     return {e.name: sum(has_image_extension(f) for f in os.listdir(e.path)) for e in sorted(os.scandir(val),
             key=lambda e: e.name) if e.is_dir()}
 
@@ -275,16 +312,19 @@ def _sort_in_place(val: Path, flat: list[str], labels: dict[str, str], progress:
         raise PrepareError(f"{val}: {len(unlabelled)} images have no label (e.g. {', '.join(unlabelled[:3])}): is "
                            f"the label file the one of these images?")
     for name in tqdm(flat, desc=f"sorting {val} into class folders", unit="img", disable=not progress):
-        (val / labels[name]).mkdir(exist_ok=True)
-        os.replace(val / name, val / labels[name] / name)
+        with _writing(val):
+            (val / labels[name]).mkdir(exist_ok=True)
+            os.replace(val / name, val / labels[name] / name)
 
 
 def _extract_val(val_tar: Path, labels: dict[str, str], work: Path, progress: bool) -> None:
-    for wnid in set(labels.values()):
-        (work / wnid).mkdir(parents=True, exist_ok=True)
+    out = work.parent.parent
+    with _writing(out):
+        for wnid in set(labels.values()):
+            (work / wnid).mkdir(parents=True, exist_ok=True)
     unlabelled: list[str] = []
     seen: set[str] = set()
-    with tqdm(desc=f"validation images -> {work.parent.parent / 'val'}", unit="img", total=len(labels),
+    with tqdm(desc=f"validation images -> {out / 'val'}", unit="img", total=len(labels),
               disable=not progress) as bar:
         for tar, member in _val_members(val_tar):
             name = Path(member.name).name
@@ -298,9 +338,10 @@ def _extract_val(val_tar: Path, labels: dict[str, str], work: Path, progress: bo
             dest = work / wnid / name
             if not (dest.is_file() and dest.stat().st_size == member.size):  # present = written completely
                 part = dest.with_name(f".{name}.part")
-                with tar.extractfile(member) as src, open(part, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-                os.replace(part, dest)
+                with tar.extractfile(member) as src:
+                    _copy(src, part, out)
+                with _writing(out):
+                    os.replace(part, dest)
             bar.update()
     if unlabelled:
         raise PrepareError(f"{val_tar}: {len(unlabelled)} images have no label (e.g. {', '.join(unlabelled[:3])}): "

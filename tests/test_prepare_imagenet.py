@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 import tarfile
@@ -191,6 +193,25 @@ def test_a_killed_validation_extraction_resumes(archives, tmp_path):
     assert {Path(f).name: f.split("/")[0] for f in files} == expected_val(root)
     with tarfile.open(archives / ilsvrc.VAL_TAR) as tar:
         assert (root / "val" / wnid / first).read_bytes() == tar.extractfile(first).read()
+
+
+def test_a_failed_write_is_named_as_a_write_not_as_a_damaged_archive(archives, tmp_path):
+    """A file size limit (RLIMIT_FSIZE: writes fail with EFBIG, as they fail with ENOSPC on a full disk) stops
+    both the class extraction and the validation extraction with one line naming the output folder."""
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+
+    for split, given in (("train", ["--train-tar", str(archives / ilsvrc.TRAIN_TAR)]),
+                         ("val", ["--val-tar", str(archives / ilsvrc.VAL_TAR), "--devkit",
+                                  str(archives / ilsvrc.DEVKIT)])):
+        out = tmp_path / split
+        result = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_imagenet.py"), *given, "--out",
+                                 str(out), "--no-progress"], cwd=ROOT, capture_output=True, text=True,
+                                preexec_fn=small_files)
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.splitlines() == [
+            f"prepare_imagenet: could not write to {out}: File too large; free space and run again"]
 
 
 def test_bad_inputs_get_one_clear_line(archives, tmp_path):
