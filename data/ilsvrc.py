@@ -289,6 +289,11 @@ def prepare_val(val_tar: Path | None, labels: dict[str, str], out: Path, classes
             raise PrepareError(f"the validation labels name {len(foreign)} classes that the training set does not "
                                f"have (e.g. {', '.join(foreign[:5])}): do the label file and the archives match?")
     val, work = out / "val", out / STAGING / "val"
+    if val.is_dir() and work.is_dir():
+        if any(val.iterdir()):  # the extraction could not be renamed into place
+            raise PrepareError(f"both {val} and {work} (an unfinished extraction from {VAL_TAR}) exist: remove "
+                               f"{work} to use {val} as it is, or move {val} away to finish the extraction")
+        val.rmdir()
     flat = sorted(e.name for e in os.scandir(val) if e.is_file() and has_image_extension(e.name)) \
         if val.is_dir() and not work.is_dir() else []
     if flat:

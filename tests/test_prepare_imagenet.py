@@ -8,6 +8,7 @@ import io
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,6 +138,12 @@ def test_an_unsorted_val_folder_is_named_by_the_check_and_sorted_in_place(archiv
     assert result.returncode == 1
     assert "val/ holds 12 images outside class folders" in result.stderr
     assert f"prepare_imagenet.py --out {root} --devkit" in result.stderr
+    (root / ".prepare" / "val" / WNIDS[0]).mkdir(parents=True)  # and a validation extraction left unfinished
+    with pytest.raises(SystemExit, match=r"both .*val and .*\.prepare/val \(an unfinished extraction .* exist: remove"):
+        prepare_main(["--val-tar", str(archives / ilsvrc.VAL_TAR), "--val-labels",
+                      str(archives / "LOC_val_solution.csv"), "--out", str(root), "--no-progress"])
+    assert len(list((root / "val").glob("*.JPEG"))) == 12  # untouched
+    shutil.rmtree(root / ".prepare")
     prepare_main(["--val-labels", str(archives / "LOC_val_solution.csv"), "--out", str(root), "--no-progress"])
     check_prepared(root)
     assert preflight(root).endswith("6 classes, 48 training and 12 validation images: ok")
