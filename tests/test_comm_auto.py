@@ -107,6 +107,11 @@ def test_switching_buckets_keeps_the_mass_and_all_ranks_decide_alike(tmp_path, w
     assert all(d == decisions[0] for d in decisions), decisions
 
 
+SELECTION_S = 0.05
+"""Every sparse exchange (and the calibration's probe of it) costs this much more (test hook): the choice
+does not depend on how fast this CPU selects."""
+
+
 def _decide_with_links(rank: int, world: int, per_node: int) -> list[list[str]]:
     """The plan (parameter order) with a slow inter-node link, then with the fast local one."""
     topo = setup_distributed(DistConfig(ranks_per_node=per_node))
@@ -116,7 +121,7 @@ def _decide_with_links(rank: int, world: int, per_node: int) -> list[list[str]]:
     for delay_s_per_mb in (0.3, 0.0):
         model = Params([BIG, 3000])
         comm = build_communicator(cfg, model, topo)
-        comm.inter_delay_s_per_mb = delay_s_per_mb
+        comm.inter_delay_s_per_mb, comm.sparse_delay_s = delay_s_per_mb, SELECTION_S
         for step in range(cfg.calibration_steps):
             backward_with(model, grads_of(rank, step, [BIG, 3000]))
             comm.finish()
@@ -132,6 +137,63 @@ def test_a_slow_link_turns_the_large_bucket_sparse_and_a_fast_one_keeps_it_dense
     slow, fast = plans[0]
     assert slow[0] in ("topk", "hitopk") and slow[1].startswith("dense"), slow
     assert fast[0].startswith("dense"), fast
+
+
+def _run_steps(comm: AutoCommunicator, model: Params, rank: int, steps: int) -> None:
+    for step in range(steps):
+        backward_with(model, grads_of(rank, step, [BIG, 3000]))
+        comm.finish()
+
+
+def _live_link_change(rank: int, world: int) -> list[list[str]]:
+    """The plan after calibration on a fast link, after a window with nothing changed, after the link slowed
+    down, and after two more windows on the slow link."""
+    topo = setup_distributed(DistConfig(ranks_per_node=1))
+    cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3,
+                     redecide_every=3, densities=[0.01], min_density=0.01)
+    model = Params([BIG, 3000])
+    comm = build_communicator(cfg, model, topo)
+    comm.sparse_delay_s = SELECTION_S
+    plans = []
+    for delay_s_per_mb in (0.0, 0.0, 0.3, 0.3, 0.3):
+        comm.inter_delay_s_per_mb = delay_s_per_mb
+        _run_steps(comm, model, rank, cfg.calibration_steps if not plans else cfg.redecide_every)
+        plans.append([c.kind for c in reversed(comm.plan)])
+    return plans
+
+
+def test_a_link_that_slows_down_on_a_live_run_is_re_decided_once(tmp_path):
+    plans = run_ranks(_live_link_change, 4, tmp_path, timeout=300)
+    assert all(p == plans[0] for p in plans), plans
+    calibrated, unchanged, slowed, *later = plans[0]
+    assert calibrated[0] == "dense" and unchanged == calibrated  # nothing changed: no re-decision
+    assert slowed[0] == "topk"  # the link slowed down: re-decided
+    assert all(p == slowed for p in later), plans[0]  # and no flapping back
+
+
+def _slow_sparse_reverts(rank: int, world: int) -> list[list[str]]:
+    """A sparse plan that measures slower than all dense goes back to dense, and stays there a while."""
+    topo = setup_distributed(DistConfig(ranks_per_node=1))
+    cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3,
+                     redecide_every=3, densities=[0.01], min_density=0.01)
+    model = Params([BIG, 3000])
+    comm = build_communicator(cfg, model, topo)
+    _run_steps(comm, model, rank, cfg.calibration_steps)
+    comm.set_plan([Choice("topk", 0.01) if b.numel >= cfg.dense_below else DENSE for b in comm.buckets])
+    comm.sparse_delay_s = 0.3
+    plans = []
+    for _ in range(3):
+        _run_steps(comm, model, rank, cfg.redecide_every)
+        plans.append([c.kind for c in reversed(comm.plan)])
+        if plans[-1][0] == "dense":
+            comm.inter_delay_s_per_mb = 1.0  # dense gets far slower: without the hold it would leave dense
+    return plans
+
+
+def test_a_plan_measured_slower_than_dense_reverts_to_dense_and_holds(tmp_path):
+    plans = run_ranks(_slow_sparse_reverts, 2, tmp_path, timeout=240)
+    assert all(p == plans[0] for p in plans), plans
+    assert all(p[0] == "dense" for p in plans[0]), plans[0]
 
 
 def test_a_bucket_that_hides_behind_backward_stays_dense_and_the_safe_density_bounds_the_choice():

@@ -10,8 +10,11 @@ Calibration (the first `calibration_steps` steps, every bucket dense fp32, on th
   bandwidth of each link (trainer/comm/cost.py's alpha-beta links);
 - the sparse local work (residual add, MSTopK, pack, clear, scatter-add) on each bucket's own gradient:
   seconds per element on this device; and the 16-bit casts.
-Every rank's measurements are reduced to their maximum over ranks (a step is as slow as its slowest rank),
-so every rank fits the same model; rank 0's plan is broadcast all the same, so ranks cannot disagree.
+On CUDA the times are CUDA events on the main and exchange streams (the host runs ahead of the kernels),
+read at the end of each timed step; the probes synchronize. Every rank's measurements are gathered: probes
+and spans reduced to their maximum over ranks (a step is as slow as its slowest rank), bucket and ready times
+to their minimum (the rank that launched last waited least for its peers), so every rank fits the same
+model; rank 0's plan is broadcast all the same, so ranks cannot disagree.
 
 The model (`choose`): each bucket's exchange is `cost.describe`'s list of collectives plus local work; the
 collectives are scaled by the measured/modelled ratio of the dense exchanges during backward (contention
@@ -20,9 +23,13 @@ bucket in turn takes the candidate that lowers the predicted exposed time by mor
 a bucket whose exchange hides behind backward stays dense. Densities below `comm.min_density` (the recipe's
 safe bound) are never candidates.
 
-Drift: every `redecide_every` steps the measured chain times are compared with the predicted ones (max over
-ranks); when the ratio moved by more than `hysteresis`, the model's link scale is updated and the plan is
-re-decided, and a new plan is adopted only if it is predicted `hysteresis` faster than the current one.
+Drift: the last steps (`WINDOW`) before every `redecide_every`-th are timed; the ready times follow them.
+Rank 0 then decides and broadcasts, in one call: when the largest bucket's measured chain time moved from
+the predicted one by more than `hysteresis`, the model's link scale follows it and the plan is re-decided,
+and a new plan is adopted only if it is predicted `hysteresis` faster than the current one. Never slower than
+dense: when a plan that is not all dense measures (median over the window) more than `hysteresis` slower
+than the last measured all-dense step (moved by what the link change costs dense in the model), every bucket
+goes back to dense for `HOLD_CHECKS` checks.
 
 Switching a bucket keeps error feedback exact: a residual kept for one layout (topk: this rank's whole
 bucket; hitopk: this rank's 1/L shard of the node's sum) is added, at the step's loss scale, into this
@@ -48,6 +55,9 @@ from trainer.comm.cost import (CODES, DENSE, KINDS, Choice, Layout, Network, Sel
 from trainer.comm.dense import WIRE_DTYPES
 from trainer.comm.sparse import TopKCommunicator, pack, scatter_payloads
 from trainer.dist import Group, Topology
+
+HOLD_CHECKS = 5
+"""After a plan measured slower than all dense, this many drift checks stay dense."""
 
 WINDOW = 8
 """Steps timed before each drift check."""
@@ -136,6 +146,12 @@ class AutoCommunicator(TopKCommunicator):
         self._measuring_step = True
         self._since_check = 0
         """Steps since calibration or the last drift check."""
+        self.dense_cost_s = 0.0
+        """The measured all-dense step cost (`_step_cost`) the plan must not exceed by more than `hysteresis`."""
+        self.dense_hold = 0
+        """Drift checks left before a plan reverted to dense may leave it again."""
+        self.sparse_delay_s = 0.0
+        """Test hook: seconds of extra delay in every sparse exchange (a plan that measures slower than dense)."""
         self._options = lambda n: candidates(n, self.net_layout, cfg.densities, cfg.min_density, cfg.dense_below)
 
     # ------------------------------------------------------------ the exchange
@@ -193,6 +209,8 @@ class AutoCommunicator(TopKCommunicator):
         if self.inter_delay_s_per_mb:
             _, inter = exchange_bytes(describe(bucket.numel, choice, self.net_layout), self.net_layout)
             time.sleep(inter / 2**20 * self.inter_delay_s_per_mb)
+        if self.sparse_delay_s and choice.sparse:
+            time.sleep(self.sparse_delay_s)
         if start is not None:
             self._chain[bucket.index] = (start, self._mark())
         return out
@@ -298,19 +316,20 @@ class AutoCommunicator(TopKCommunicator):
         return gathered.max(dim=0).values.tolist(), gathered.min(dim=0).values.tolist()
 
     def _calibrate(self) -> None:
-        ready, chain, span, _ = self._medians(self._rows)
+        ready, chain, span, exposed = self._medians(self._rows)
         probes = self._probe_links()
         select_pts, cast_pt = self._probe_local_work()
         names = sorted(probes)
-        flat = ready + chain + [span] + [t for name in names for _, t in probes[name]] \
+        flat = ready + chain + [span, exposed] + [t for name in names for _, t in probes[name]] \
             + [t for _, t in select_pts] + [cast_pt[1]]
         flat, least = self._over_ranks(flat)
         nb = len(self.buckets)
         # A bucket's exchange on the rank that launched it last has the least wait for its peers in it, and
         # the earliest-ready rank bounds how much of it hides: minima. Probes and spans: a step is as slow as
         # its slowest rank, maxima.
-        ready, chain, span = least[:nb], least[nb:2 * nb], flat[2 * nb]
-        pos = 2 * nb + 1
+        ready, chain, span, exposed = least[:nb], least[nb:2 * nb], flat[2 * nb], flat[2 * nb + 1]
+        self.dense_cost_s = self._step_cost(span, exposed)
+        pos = 2 * nb + 2
         for name in names:
             probes[name] = [(x, flat[pos + j]) for j, (x, _) in enumerate(probes[name])]
             pos += len(probes[name])
@@ -326,7 +345,8 @@ class AutoCommunicator(TopKCommunicator):
         self.ready_before_end = ready
         self.calibration = {"nodes": float(self.net_layout.nodes), "ranks_per_node": float(self.net_layout.per_node),
                             "min_density": self.cfg.min_density, "dense_below": float(self.dense_below),
-                            "local_competes": float(self.local_competes), "dense_span_s": span, "net_scale": self.net.net_scale,
+                            "local_competes": float(self.local_competes), "dense_span_s": span,
+                            "dense_exposed_s": exposed, "net_scale": self.net.net_scale,
                             "select_per_element_s": self.net.selection.per_element_s,
                             "select_fixed_s": self.net.selection.fixed_s, "cast_per_element_s": self.net.cast_per_element_s,
                             **{f"link/{k}/alpha_s": v.alpha_s for k, v in self.net.links.items()},
@@ -378,36 +398,58 @@ class AutoCommunicator(TopKCommunicator):
             most, least = self._over_ranks([0.0] * (2 * nb + 2))
         # backward's length moves (progressive resizing): the ready times follow the measurements
         self.ready_before_end = least[:nb] if ready else self.ready_before_end
-        update = self._drift_update(least[nb:2 * nb], most[2 * nb], most[2 * nb + 1]) \
+        update = self._drift_update(least[nb:2 * nb], self._step_cost(most[2 * nb], most[2 * nb + 1])) \
             if self.topo.is_main and ready else None
         update = self.topo.world.broadcast_object(update, src=0)
         if update is None:
             return
-        self.net.net_scale = update["net_scale"]
+        self.net.net_scale, self.dense_cost_s, self.dense_hold = \
+            update["net_scale"], update["dense_cost_s"], update["dense_hold"]
         plan = [Choice(k, d) for k, d in update["plan"]] if update["plan"] is not None else self.plan
         self.set_plan(plan)  # with a new plan, or the same one predicted with the new scale
         if self.topo.is_main and update["message"]:
             print(update["message"] + ", ".join(f"{b.index}:{c.label}" for b, c in zip(self.buckets, self.plan)),
                   flush=True)
 
-    def _drift_update(self, chain: list[float], span: float, exposed: float) -> dict | None:
-        """Rank 0: the new link scale and plan (None: no change) from a window's measurements."""
-        top = max(range(len(chain)), key=lambda i: self.predicted_chain_s[i])
-        if not self.predicted_chain_s[top] > 0:
-            return None
-        ratio = chain[top] / self.predicted_chain_s[top]
-        if abs(ratio - 1) <= self.cfg.hysteresis:
-            return None
-        scale = min(max(self.net.net_scale * ratio, 0.05), 100.0)
-        old, self.net.net_scale = self.net.net_scale, scale
+    def _step_cost(self, span: float, exposed: float) -> float:
+        """What the guard against being slower than dense compares: the wait after backward, and on a CPU
+        (where the local work slows backward down) the whole span from the first launch."""
+        return span if self.local_competes else exposed
+
+    def _drift_update(self, chain: list[float], cost: float) -> dict:
+        """Rank 0: the link scale, plan (None: the same), all-dense baseline and hold after a window's
+        measurements (chain: seconds per bucket; cost: `_step_cost`)."""
+        h = self.cfg.hysteresis
         sizes = [b.numel for b in self.buckets]
+        top = max(range(len(chain)), key=lambda i: self.predicted_chain_s[i])
+        ratio = chain[top] / self.predicted_chain_s[top] if self.predicted_chain_s[top] > 0 else 1.0
+        moved = abs(ratio - 1) > h
+        scale = min(max(self.net.net_scale * ratio, 0.05), 100.0) if moved else self.net.net_scale
+        all_dense = [DENSE] * len(sizes)
+        if all(c == DENSE for c in self.plan):
+            dense_cost = cost  # the baseline follows the measurements
+        else:  # the last measured all-dense cost, moved by what the links' change costs dense in the model
+            before, _ = predict(sizes, self.ready_before_end, all_dense, self.net, self.local_competes)
+            self.net.net_scale, old = scale, self.net.net_scale
+            after, _ = predict(sizes, self.ready_before_end, all_dense, self.net, self.local_competes)
+            self.net.net_scale = old
+            dense_cost = max(self.dense_cost_s + after - before, 0.0)
+        out = {"net_scale": scale, "plan": None, "message": "", "dense_cost_s": dense_cost,
+               "dense_hold": max(self.dense_hold - 1, 0)}
+        if not all(c == DENSE for c in self.plan) and cost > (1 + h) * dense_cost:
+            return {**out, "plan": [(DENSE.kind, DENSE.density)] * len(sizes), "dense_hold": HOLD_CHECKS,
+                    "message": f"comm auto: measured {cost * 1e3:.1f} ms against {dense_cost * 1e3:.1f} ms all "
+                               "dense; back to dense: "}
+        if not moved or out["dense_hold"] > 0:
+            return out
+        old, self.net.net_scale = self.net.net_scale, scale
         current, _ = predict(sizes, self.ready_before_end, self.plan, self.net, self.local_competes)
         plan, t = choose(sizes, self.ready_before_end, self.net, self._options, self.local_competes)
         self.net.net_scale = old
-        if t < (1 - self.cfg.hysteresis) * current:
-            return {"net_scale": scale, "plan": [(c.kind, c.density) for c in plan],
+        if t < (1 - h) * current:
+            return {**out, "plan": [(c.kind, c.density) for c in plan],
                     "message": f"comm auto: link times moved x{ratio:.2f}; new plan: "}
-        return {"net_scale": scale, "plan": None, "message": ""}
+        return out
 
     # ------------------------------------------------------------ probes
 
@@ -468,7 +510,8 @@ class AutoCommunicator(TopKCommunicator):
         for b in big:
             for part in sorted({b.numel, math.ceil(b.numel / self.local_size)}):
                 g = b.buffer[:part].float()
-                points.append((float(part), self._timed(_sparse_local_work(g, density, peers, self.iters), reps=1)))
+                points.append((float(part), self._timed(_sparse_local_work(g, density, peers, self.iters), reps=1)
+                               + self.sparse_delay_s))
         largest = max(self.buckets, key=lambda b: b.numel)
         cast = self._timed(lambda: largest.buffer.to(self.wire16).to(largest.buffer.dtype), reps=1) \
             if largest.buffer is not None else 0.0
