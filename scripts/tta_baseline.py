@@ -59,7 +59,8 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet statistics,
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, help="YAML mapping of these options (no dashes) replacing the defaults")
-    p.add_argument("--data-path", type=Path, default=Path("datasets/tta_photos"), help="ImageFolder root (train/, val/)")
+    p.add_argument("--data-path", type=Path, default=Path("datasets/tta_photos"),
+                   help="ImageFolder root (train/, val/)")
     p.add_argument("--model", default="resnet18", help="torchvision.models name")
     p.add_argument("--batch-size", type=int, default=32, help="images per process (reference default 32)")
     p.add_argument("--epochs", type=int, default=90, help="schedule length in epochs")
@@ -269,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             break
     last = history[-1]
     summary = {"epochs_run": epoch + 1, "elapsed_s": last["time/elapsed_s"], "time_to_target_s": time_to_target,
-               "target_top1": args.target_top1, "target_consecutive": args.target_consecutive, "target_top5": 0.0, "final_top1": last["eval/top1"],
+               "target_top1": args.target_top1, "target_consecutive": args.target_consecutive, "target_top5": 0.0,
+               "final_top1": last["eval/top1"],
                "final_top5": last["eval/top5"], "world_size": world, "history": history}
     if log is not None:
         log.close()

@@ -4,10 +4,12 @@ validation pixels; the bench's run control; the frozen configs."""
 
 import json
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import matplotlib.image
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ from scripts import tta_baseline
 from scripts.bench import tta
 from scripts.bench.tta import Run, bootstrap_interval, compare, launch, paired_ratio, plan, reached_at, read_run
 from scripts.make_tta_photos import VAL_SIDE, prepare, region_centres
+from scripts.plot_tta import first_reach, plot, read_curve
 from tests.conftest import ROOT, run_ranks
 
 
@@ -201,6 +204,49 @@ def test_baseline_config_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         tta_baseline.parse_args(["--config", str(bad)])
     assert "unknown option(s) warmup" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the plot (scripts/plot_tta.py) on real run folders
+
+def test_first_reach():
+    assert first_reach([1.0, 2.0, 3.0], [0.5, 0.98, 0.99], 0.98) == 2.0
+    assert first_reach([1.0, 2.0], [0.5, 0.9], 0.98) is None
+    assert first_reach([1.0], [0.5], None) is None
+
+
+def test_plot_draws_recorded_runs_of_both_sides(baseline_runs, tmp_path):
+    png = plot([baseline_runs["stopped"], baseline_runs["missed"]], tmp_path / "tta.png", target=0.98,
+               labels=["baseline", "baseline, missed"], colors=["tab:blue", "tab:blue"])
+    height, width, _ = matplotlib.image.imread(png).shape
+    assert (width, height) == (840, 540)  # 7 x 4.5 inches at 120 dpi
+
+
+def test_plotted_points_are_the_runs_evaluations(baseline_runs):
+    """Each curve is its run's evaluated epochs, as the run's summary.json records them (both sides)."""
+    for side in ("stopped", "missed"):
+        history = json.loads((baseline_runs[side] / "summary.json").read_text())["history"]
+        assert len(history) >= 1
+        assert read_curve(baseline_runs[side], "top1") == ([h["time/elapsed_s"] for h in history],
+                                                           [h["eval/top1"] for h in history]), side
+
+
+def test_plot_cli_on_run_folders(baseline_runs, tmp_path):
+    out = tmp_path / "cli.png"
+    done = subprocess.run([sys.executable, "scripts/plot_tta.py", str(baseline_runs["stopped"]),
+                           str(baseline_runs["missed"]), "--labels", "stopped", "missed", "--out", str(out)],
+                          cwd=ROOT, check=True, capture_output=True, text=True)
+    assert done.stdout.strip() == str(out)
+    with Image.open(out) as png:
+        assert png.format == "PNG" and png.size == (840, 540)  # 7 x 4.5 inches at 120 dpi
+        png.load()  # the whole image decodes
+
+
+def test_plot_needs_one_label_and_colour_per_run(baseline_runs, tmp_path):
+    with pytest.raises(ValueError, match=r"--labels: 1 given for 2 run\(s\)"):
+        plot([baseline_runs["stopped"], baseline_runs["missed"]], tmp_path / "x.png", labels=["only one"])
+    with pytest.raises(ValueError, match=r"--colors: 3 given for 2 run\(s\)"):
+        plot([baseline_runs["stopped"], baseline_runs["missed"]], tmp_path / "x.png",
+             colors=["red", "red", "blue"])
 
 
 # ---------------------------------------------------------------- running a side

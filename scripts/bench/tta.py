@@ -386,7 +386,8 @@ def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], t
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="scripts/bench/tta.py", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_SEEDS} fresh seeds instead of {FULL_SEEDS}")
-    parser.add_argument("--seeds", type=int, default=0, help=f"fresh seeds (default {FULL_SEEDS}; --quick: {QUICK_SEEDS})")
+    parser.add_argument("--seeds", type=int, default=0,
+                        help=f"fresh seeds (default {FULL_SEEDS}; --quick: {QUICK_SEEDS})")
     parser.add_argument("--first-seed", type=int, default=FRESH_SEEDS_FROM, help="the first fresh seed")
     parser.add_argument("--target", type=float, default=TARGET_TOP1, help=f"top-1 target (default {TARGET_TOP1})")
     parser.add_argument("--consecutive", type=int, default=TARGET_CONSECUTIVE,
