@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from scripts.bench.comm import KINDS as COMM_KINDS
 from scripts.bench.common import bench_parser, emit_result, print_table, record_run
@@ -155,9 +155,6 @@ def measure_primitives(topo, density: float, reps: int) -> dict[str, list[list[f
     """
     import torch
 
-    from kernels import mstopk
-    from trainer.comm.sparse import pack, scatter_payloads
-
     out: dict[str, list[list[float]]] = {}
     gen = torch.Generator().manual_seed(topo.rank)
 
@@ -205,24 +202,13 @@ def measure_primitives(topo, density: float, reps: int) -> dict[str, list[list[f
     return out
 
 
-def sparse_piece(g, density: float, peers: int, world: int):
-    """What trainer/comm/sparse.py does around the collectives of one bucket (or shard) `g`: add the
-    residual, MSTopK, pack, clear the sent elements, scatter-add `peers` payloads, average."""
-    import torch
+def sparse_piece(g, density: float, peers: int, world: int) -> Callable[[], None]:
+    """trainer/comm/sparse.py's own local work around the collectives of one bucket (or shard) `g`, at the
+    communicator's default `selection_iters`."""
+    from trainer.comm.config import CommConfig
+    from trainer.comm.sparse import sparse_local_work
 
-    from kernels import mstopk
-    from trainer.comm.sparse import pack, scatter_payloads
-
-    residual = torch.randn(g.numel(), generator=torch.Generator().manual_seed(1)) * 1e-3 * float(g.abs().mean())
-    k = max(1, int(density * g.numel()))
-
-    def run() -> None:
-        acc = g.float().add_(residual)
-        values, indices = mstopk(acc, k)
-        payload = pack(values, indices)
-        acc.index_fill_(0, indices, 0.0)
-        scatter_payloads(payload.repeat(peers), peers, g.numel()).div_(world)
-    return run
+    return sparse_local_work(g.float(), density, peers, CommConfig().selection_iters, world)
 
 
 def measure_sparse_on_gradients(buckets, topo, density: float, reps: int) -> list[list[float]]:

@@ -47,13 +47,13 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from kernels import mstopk, mstopk_warm_up
+from kernels import mstopk_warm_up
 from trainer.comm.base import Bucket
 from trainer.comm.config import CommConfig
 from trainer.comm.cost import (CODES, DENSE, KINDS, Choice, Layout, Network, Selection, describe, exchange_bytes,
                                exposed_s, fit_affine, fit_link, k_of, Link)
 from trainer.comm.dense import WIRE_DTYPES
-from trainer.comm.sparse import TopKCommunicator, pack, scatter_payloads
+from trainer.comm.sparse import TopKCommunicator, sparse_local_work
 from trainer.dist import Group, Topology
 
 HOLD_CHECKS = 5
@@ -509,8 +509,11 @@ class AutoCommunicator(TopKCommunicator):
         big = [b for b in self.buckets if b.numel >= self.dense_below and b.buffer is not None]
         for b in big:
             for part in sorted({b.numel, math.ceil(b.numel / self.local_size)}):
-                g = b.buffer[:part].float()
-                points.append((float(part), self._timed(_sparse_local_work(g, density, peers, self.iters), reps=1)
+                # this bucket's values (selection cost depends on them), made finite: after an fp16 overflow
+                # the live gradient holds inf/NaN, which selection rejects
+                g = torch.nan_to_num(b.buffer[:part].float(), nan=0.0, posinf=0.0, neginf=0.0)
+                points.append((float(part), self._timed(sparse_local_work(g, density, peers, self.iters),
+                                                        reps=1)
                                + self.sparse_delay_s))
         largest = max(self.buckets, key=lambda b: b.numel)
         cast = self._timed(lambda: largest.buffer.to(self.wire16).to(largest.buffer.dtype), reps=1) \
@@ -534,20 +537,6 @@ class AutoCommunicator(TopKCommunicator):
         lines.append(f"predicted exposed exchange: {self.predicted_exposed_s * 1e3:.1f} ms (all dense: "
                      f"{dense_exposed * 1e3:.1f} ms); ready ms = launched this long before backward ended")
         return "\n".join(lines)
-
-
-def _sparse_local_work(g: torch.Tensor, density: float, peers: int, iters: int) -> Callable[[], None]:
-    """What a sparse exchange does around its collectives for one bucket or shard `g`."""
-    residual = torch.zeros_like(g)
-    k = k_of(g.numel(), density)
-
-    def run() -> None:
-        acc = g + residual
-        values, indices = mstopk(acc, k, iters=iters)
-        payload = pack(values, indices)
-        acc.index_fill_(0, indices, 0.0)
-        scatter_payloads(payload.repeat(peers), peers, g.numel())
-    return run
 
 
 def build_network(layout: Layout, probes: dict[str, list[tuple[float, float]]],

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -66,6 +67,29 @@ def scatter_payloads(payloads: torch.Tensor, parts: int, size: int, out: torch.T
     for part in range(parts):
         out.index_add_(0, indices[part], rows[part, 0])
     return out
+
+
+def select_payload(acc: torch.Tensor, k: int, iters: int) -> torch.Tensor:
+    """MSTopK's k (value, index) pairs of `acc`, packed; the picked elements of `acc` are cleared, so it holds
+    the unsent remainder. Raises ValueError (mstopk's) on non-finite values."""
+    values, indices = mstopk(acc, k, iters=iters)
+    payload = pack(values, indices)  # before the fill below: values may be a view of acc
+    acc.index_fill_(0, indices, 0.0)
+    return payload
+
+
+def sparse_local_work(g: torch.Tensor, density: float, peers: int, iters: int, world: int = 1
+                      ) -> Callable[[], None]:
+    """One run of what a sparse exchange does around its collectives for the bucket or shard `g` (fp32), for
+    timing: add a residual, select and pack (`select_payload`), scatter-add `peers` payloads, average."""
+    residual = torch.zeros_like(g)
+    k = k_of(g.numel(), density)
+
+    def run() -> None:
+        acc = g + residual
+        payload = select_payload(acc, k, iters)
+        scatter_payloads(payload.repeat(peers), peers, g.numel()).div_(world)
+    return run
 
 
 class TopKCommunicator(ExchangeCommunicator):
@@ -170,9 +194,7 @@ class TopKCommunicator(ExchangeCommunicator):
         k = k_of(size, density)
         start = time.perf_counter()
         try:
-            values, indices = mstopk(acc, k, iters=self.iters)
-            payload = pack(values, indices)  # before the fill below: values may be a view of acc
-            acc.index_fill_(0, indices, 0.0)  # the unsent remainder becomes the new residual
+            payload = select_payload(acc, k, self.iters)  # the unsent remainder becomes the new residual
             if scale is not None:
                 acc.div_(scale)
             self._updated.append((index, residual))
