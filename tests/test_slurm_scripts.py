@@ -1,6 +1,6 @@
-"""The Slurm launchers run as Slurm would run them, with stand-ins for srun, scontrol and torchrun (real bash, real
-signals): the time-limit notice reaches torchrun as SIGTERM, the job is requeued after the ranks stopped, and a
-requeued job resumes."""
+"""The Slurm launchers run as Slurm would run them, with stand-ins for srun, scancel, scontrol and torchrun (real
+bash, real signals): the time-limit notice reaches torchrun as one SIGTERM, never SIGUSR1, the job is requeued
+after the ranks stopped, and a requeued job resumes."""
 
 from __future__ import annotations
 
@@ -15,14 +15,32 @@ import pytest
 from data import synthetic_translation as synth
 
 ROOT = Path(__file__).resolve().parent.parent
-FAKE_SRUN = '#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n'  # one node: srun's options dropped
+# srun: one node; the step's task in a process group of its own, as slurmstepd starts it (its options dropped)
+FAKE_SRUN = """#!/bin/bash
+while [ "${1#--}" != "$1" ]; do shift; done
+setsid "$@" &
+echo $! > "$FAKE_LOG/step.pgid"
+trap '' TERM
+while kill -0 $! 2>/dev/null; do wait $!; status=$?; done
+exit $status
+"""
 FAKE_SCONTROL = '#!/bin/sh\necho "$@" >> "$FAKE_LOG/scontrol"\n[ "$1" = show ] && echo node0\nexit 0\n'
-# torchrun's part as the ranks play it: SIGTERM -> "checkpoint" and exit 75 (restartable)
+# scancel --signal=SIG JOB: the signal to every process of the job step (here: the task's process group)
+FAKE_SCANCEL = '#!/bin/bash\necho "$@" >> "$FAKE_LOG/scancel"\nkill -"${1#--signal=}" -- -"$(cat "$FAKE_LOG/step.pgid")"\n'
+# torchrun's part as the ranks play it: SIGTERM -> "checkpoint" for a second (a second SIGTERM meanwhile is
+# recorded: it would cut real torchrun's wait for the ranks short) and exit 75; SIGUSR1 kills it, as it kills
+# real torchrun
 FAKE_TORCHRUN = """#!/bin/bash
 echo "$@" > "$FAKE_LOG/torchrun.args"
-trap 'echo checkpoint > "$FAKE_LOG/stopped"; exit 75' TERM
+term() { echo checkpoint >> "$FAKE_LOG/stopped"; stopping=1; }
+trap term TERM
 touch "$FAKE_LOG/started"
-for i in $(seq 600); do sleep 0.1; [ -e "$FAKE_LOG/finish" ] && exit 0; done
+stopping=""
+for i in $(seq 600); do
+  sleep 0.1
+  [ -n "$stopping" ] && [ $((stopping++)) -ge 10 ] && exit 75
+  [ -e "$FAKE_LOG/finish" ] && exit 0
+done
 exit 1
 """
 
@@ -36,7 +54,8 @@ def stand_ins(tmp: Path) -> dict[str, str]:
     bin_dir, log = tmp / "bin", tmp / "log"
     bin_dir.mkdir()
     log.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("torchrun", FAKE_TORCHRUN)):
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL),
+                       ("torchrun", FAKE_TORCHRUN)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
@@ -61,13 +80,16 @@ def test_time_limit_notice_checkpoints_stops_and_requeues(corpus, tmp_path):
     args = (log / "torchrun.args").read_text().split()
     assert args[:2] == ["--node_rank", "0"] and "--max-restarts" in args and args[args.index("--max-restarts") + 1] == "3"
     assert f"log.dir={tmp_path / 'run'}" in args and args[-1] == "train.epochs=2" and "--resume" not in args
+    # the ranks' grace inside the 120 s notice, and torchrun waits for them longer than that
+    assert "train.preempt_grace_s=100" in args and args[args.index("--shutdown-timeout") + 1] == "110"
     assert (tmp_path / "run").is_dir()  # the run folder is made before the ranks start
     proc.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@120` sends the batch shell
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
-    assert (log / "stopped").read_text() == "checkpoint\n"  # torchrun got SIGTERM (and would pass it on)
+    assert (log / "scancel").read_text().split() == ["--signal=TERM", "4242"]  # to the step, not the batch shell
+    assert (log / "stopped").read_text() == "checkpoint\n"  # torchrun got one SIGTERM (and would pass it on)
     assert "requeue 4242" in (log / "scontrol").read_text().splitlines()
-    assert "torchrun ended with status 75 after SIGUSR1" in out
+    assert "torchrun ended with status 75 after SIGTERM" in out
 
 
 def test_a_requeued_job_resumes_and_a_finished_one_is_not_requeued(corpus, tmp_path):
