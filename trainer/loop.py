@@ -51,8 +51,9 @@ from trainer.task import Task
 
 PREEMPTED_EXIT_CODE = 75
 """The exit status after a stop signal and its checkpoint: EX_TEMPFAIL of sysexits.h ("try again later").
-torchrun --max-restarts restarts on any non-zero status; Slurm requeues it with RequeueExit=75 or a batch
-script that runs `scontrol requeue` on it (docs/reliability.md)."""
+torchrun --max-restarts restarts on any non-zero status but never passes it on (it exits 1): under torchrun
+the batch script requeues explicitly (scripts/slurm/); without torchrun, Slurm's RequeueExit=75 requeues it
+(docs/reliability.md)."""
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
