@@ -22,7 +22,10 @@ from tests.faults.inject import Fault, install
 from tests.test_trainer import TINY, phases
 from trainer.checkpoint import (MANIFEST, MODEL, LegacyCheckpointError, checkpoint_dirs, latest_checkpoint,
                                 rank_file)
-from trainer.loop import PREEMPTED_EXIT_CODE, ProgressLines
+from trainer.comm import LocalCommunicator
+from trainer.dist import DistConfig, setup_distributed
+from trainer.loop import PREEMPTED_EXIT_CODE, Components, LoopConfig, ProgressLines, TrainConfig, Trainer
+from trainer.metrics import LogConfig
 
 TIMEOUT_S = 900  # a guard against a hang, not a speed requirement (2-core box shared by other runs)
 
@@ -153,3 +156,38 @@ def test_without_a_terminal_progress_is_a_line_every_n_steps(capsys):
     assert [line.split()[1] for line in out] == ["4/10", "8/10", "10/10"]  # every 4th step, and the last
     assert out[-1].startswith("step 10/10 (100%)") and out[-1].endswith("epoch=1 loss=2.310")
     assert "\r" not in "".join(out)  # nothing redrawn into a log file
+
+
+class PlannedTask:
+    """A task whose steps per epoch are set from outside (as token batching sets them per world size)."""
+
+    unit, targets = "tokens", {}
+
+    def __init__(self, model: torch.nn.Module, steps: int) -> None:
+        self.model, self.steps = model, steps
+
+    def steps_per_epoch(self, phase: object) -> int:
+        return self.steps
+
+
+def one_process_trainer(tmp_path: Path, task_steps: int = 30, comm: object = None) -> Trainer:
+    topo = setup_distributed(DistConfig())
+    model = torch.nn.Linear(2, 2)
+    return Trainer(LoopConfig(TrainConfig(epochs=2), log=LogConfig(dir=str(tmp_path))), topo,
+                   PlannedTask(model, task_steps),
+                   Components(model, torch.optim.SGD(model.parameters(), lr=0.1), comm or LocalCommunicator(topo)))
+
+
+def test_a_resume_whose_epoch_has_other_steps_says_the_rest_is_replanned(tmp_path):
+    trainer = one_process_trainer(tmp_path, task_steps=30)
+    trainer.epoch = 1
+    batch = trainer.schedule.phase(1).batch_size
+    # the same steps per epoch (a global batch fixed in samples): the same samples, the same step
+    kept = trainer.replan_position({"step_in_epoch": 20, "steps_per_epoch": 30, "samples_in_epoch": 20 * batch})
+    assert trainer.step_in_epoch == 20 and kept == f"data position kept: sample {20 * batch} of epoch 1 = step 20 " \
+                                                   f"at global batch {batch}"
+    # batches planned per world size: 40 steps on the old ranks, 30 now; step 20 of 40 is step 15 of 30
+    moved = trainer.replan_position({"step_in_epoch": 20, "steps_per_epoch": 40, "samples_in_epoch": 20 * batch})
+    assert trainer.step_in_epoch == 15
+    assert "re-planned for 1 ranks (30 steps instead of 40): it continues at step 15" in moved
+    assert "some pairs may be trained twice and some skipped" in moved and "sample" not in moved

@@ -269,11 +269,12 @@ class Trainer:
         from averaged gradients), the loop's position (also in samples: a resume on another world size
         continues the data order), and the communicator's plain entries (its tensors are per rank)."""
         comm = self.comm.state_dict()
-        batch = self.schedule.phase(min(self.epoch, self.train_cfg.epochs - 1)).batch_size
+        phase = self.schedule.phase(min(self.epoch, self.train_cfg.epochs - 1))
         return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
                 "task": self.task.state_dict(),
                 "trainer": {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
-                            "samples_in_epoch": self.step_in_epoch * batch, "step": self.step,
+                            "steps_per_epoch": self.steps_per_epoch(phase),
+                            "samples_in_epoch": self.step_in_epoch * phase.batch_size, "step": self.step,
                             "elapsed_s": self.elapsed_s, "history": self.history,
                             "time_to_target_s": self.time_to_target_s, "skipped_steps": self.skipped_steps,
                             "world_size": self.topo.world_size},
@@ -328,7 +329,7 @@ class Trainer:
 
     def load_checkpoint(self, ckpt_dir: Path, manifest: dict) -> None:
         """Restore a verified checkpoint on this rank. On another world size than the one that wrote it, the
-        model, optimizer, loss scaler and position (in samples) are restored, the communicator's per-rank
+        model, optimizer, loss scaler and position (`replan_position`) are restored, the communicator's per-rank
         tensors (error-feedback residuals) are dropped, and ranks without a saved state seed their generators
         from train.seed; rank 0 warns saying exactly that."""
         self.model.load_state_dict(load_file(ckpt_dir, MODEL, verify=False))
@@ -353,12 +354,29 @@ class Trainer:
             set_rng_state(mine["rng"], self.topo.device)
         else:
             seed_rank(self.train_cfg.seed, rank, self.step)
-        batch = self.schedule.phase(min(self.epoch, self.train_cfg.epochs - 1)).batch_size
-        self.step_in_epoch, rest = divmod(t["samples_in_epoch"], batch)
+        position = self.replan_position(t)
         if self.topo.is_main:
-            self.warn_world_size_changed(ckpt_dir, manifest, shared, batch, rest)
+            self.warn_world_size_changed(ckpt_dir, manifest, shared, position)
 
-    def warn_world_size_changed(self, ckpt_dir: Path, manifest: dict, shared: dict, batch: int, rest: int) -> None:
+    def replan_position(self, saved: dict) -> str:
+        """Where the unfinished epoch continues on another world size (from the saved loop state `saved`), said
+        in words. Where the epoch has as many steps as before (the global batch is fixed in samples), the same
+        samples: the same step. Where the task plans its batches per world size (token-batched translation:
+        a fixed number of tokens per rank), the rest of the epoch is re-planned and continues at the same share
+        of the epoch."""
+        phase = self.schedule.phase(min(self.epoch, self.train_cfg.epochs - 1))
+        steps, steps_then = self.steps_per_epoch(phase), saved.get("steps_per_epoch")
+        if steps_then is None or steps_then == steps:
+            self.step_in_epoch = saved["samples_in_epoch"] // phase.batch_size
+            return (f"data position kept: sample {saved['samples_in_epoch']} of epoch {self.epoch} = step "
+                    f"{self.step_in_epoch} at global batch {phase.batch_size}")
+        self.step_in_epoch = min(steps, round(saved["step_in_epoch"] * steps / steps_then))
+        return (f"the rest of epoch {self.epoch} is re-planned for {self.topo.world_size} ranks ({steps} steps "
+                f"instead of {steps_then}): it continues at step {self.step_in_epoch} (step "
+                f"{saved['step_in_epoch']} before, the same share of the epoch), so in this epoch some pairs may be "
+                "trained twice and some skipped")
+
+    def warn_world_size_changed(self, ckpt_dir: Path, manifest: dict, shared: dict, position: str) -> None:
         """Rank 0's account of a resume on another number of ranks: what was kept, dropped and re-seeded."""
         saved, world = manifest["world_size"], self.topo.world_size
         rank_bytes = sum(manifest["files"][rank_file(r)]["bytes"] for r in range(saved))
@@ -368,10 +386,6 @@ class Trainer:
                 if dropped else "the communicator had no per-rank tensors to drop")
         rng = (f"{ranks(saved, world - 1)} seeded random generators from train.seed, {ranks(0, saved - 1)} "
                "restored theirs" if world > saved else f"{ranks(0, world - 1)} restored their random generators")
-        position = (f"data position kept: sample {shared['trainer']['samples_in_epoch']} of epoch {self.epoch} = "
-                    f"step {self.step_in_epoch} at global batch {batch}")
-        if rest:
-            position += f" (the last {rest} samples of the unfinished batch are skipped)"
         warnings.warn(f"resuming {ckpt_dir}, written by {saved} ranks, on {world} ranks: model, optimizer, loss "
                       f"scaler and step {self.step} restored; {comm}; {rng}; {position}", stacklevel=2)
 
