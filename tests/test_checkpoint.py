@@ -13,6 +13,7 @@ import json
 import shutil
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -169,13 +170,52 @@ class PlannedTask:
     def steps_per_epoch(self, phase: object) -> int:
         return self.steps
 
+    def state_dict(self) -> dict:
+        return {}
 
-def one_process_trainer(tmp_path: Path, task_steps: int = 30, comm: object = None) -> Trainer:
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class ResidualComm(LocalCommunicator):
+    """One process's communicator with error-feedback residuals over buckets of the given sizes."""
+
+    def __init__(self, topo: object, bucket_sizes: list[int]) -> None:
+        super().__init__(topo)
+        self.buckets = [SimpleNamespace(numel=n) for n in bucket_sizes]
+        self.residuals: dict[int, torch.Tensor] = {}  # none before the first step
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "residuals": {i: r.clone() for i, r in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps, self.residuals = state["steps"], dict(state.get("residuals", {}))
+
+
+def one_process_trainer(tmp_path: Path, task_steps: int = 30, buckets: list[int] | None = None,
+                        **train: object) -> Trainer:
     topo = setup_distributed(DistConfig())
     model = torch.nn.Linear(2, 2)
-    return Trainer(LoopConfig(TrainConfig(epochs=2), log=LogConfig(dir=str(tmp_path))), topo,
-                   PlannedTask(model, task_steps),
-                   Components(model, torch.optim.SGD(model.parameters(), lr=0.1), comm or LocalCommunicator(topo)))
+    comm = LocalCommunicator(topo) if buckets is None else ResidualComm(topo, buckets)
+    return Trainer(LoopConfig(TrainConfig(epochs=2, **train), log=LogConfig(dir=str(tmp_path))), topo,
+                   PlannedTask(model, task_steps), Components(model, torch.optim.SGD(model.parameters(), lr=0.1), comm))
+
+
+def test_residuals_of_another_bucket_layout_are_dropped_with_a_warning(tmp_path):
+    writer = one_process_trainer(tmp_path, buckets=[3, 2])
+    writer.step, writer.comm.residuals = 4, {0: torch.tensor([1.0, 2.0, 3.0]), 1: torch.tensor([1.0, 2.0])}
+    writer.checkpoint(background=False)
+    same = one_process_trainer(tmp_path, buckets=[3, 2], resume=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert same.maybe_resume() is not None
+    assert not [w for w in caught if "layout" in str(w.message)]
+    assert torch.equal(same.comm.residuals[1], torch.tensor([1.0, 2.0]))  # the same layout: restored
+    other = one_process_trainer(tmp_path, buckets=[4, 1], resume=True)
+    with pytest.warns(UserWarning, match=r"on the same 1 ranks but another communicator layout \(buckets [0-9a-f]+ -> "
+                                         r"[0-9a-f]+\).*dropped the communicator's per-rank state \['residuals'\]"):
+        assert other.maybe_resume() is not None
+    assert other.comm.residuals == {} and other.step == 4  # zero residuals, the rest restored
 
 
 def test_a_resume_whose_epoch_has_other_steps_says_the_rest_is_replanned(tmp_path):

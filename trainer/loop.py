@@ -19,6 +19,8 @@ counts such steps, and without one the run stops naming the step.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import os
 import shutil
@@ -280,6 +282,7 @@ class Trainer:
                             "world_size": self.topo.world_size},
                 "comm_shared": {k: v for k, v in comm.items() if not holds_tensors(v)},
                 "comm_per_rank": sorted(k for k, v in comm.items() if holds_tensors(v)),
+                "comm_layout": self.comm_layout(),
                 "config": self.run_config}
 
     def checkpoint_files(self) -> dict[str, Any]:
@@ -331,7 +334,9 @@ class Trainer:
         """Restore a verified checkpoint on this rank. On another world size than the one that wrote it, the
         model, optimizer, loss scaler and position (`replan_position`) are restored, the communicator's per-rank
         tensors (error-feedback residuals) are dropped, and ranks without a saved state seed their generators
-        from train.seed; rank 0 warns saying exactly that."""
+        from train.seed; rank 0 warns saying exactly that. On the same world size under another communicator
+        layout (`comm_layout`: ranks per node, communicator, buckets) only the residuals are dropped, with a
+        warning."""
         self.model.load_state_dict(load_file(ckpt_dir, MODEL, verify=False))
         shared = load_file(ckpt_dir, SHARED, verify=False)
         self.optimizer.load_state_dict(shared["optimizer"])
@@ -343,20 +348,52 @@ class Trainer:
         self.skipped_steps = t["skipped_steps"]
         saved_world, rank = manifest["world_size"], self.topo.rank
         mine = load_file(ckpt_dir, rank_file(rank), verify=False) if rank < saved_world else None
-        if saved_world == self.topo.world_size:
+        layout_then, layout = shared.get("comm_layout"), self.comm_layout()
+        if saved_world == self.topo.world_size and layout_then == layout:
             self.comm.load_state_dict(mine["comm"])
             set_rng_state(mine["rng"], self.topo.device)
             return
-        fresh = self.comm.state_dict()
+        fresh = self.comm.state_dict()  # the residuals follow the ranks and buckets that wrote them: zero ones
         fresh.update(shared["comm_shared"])
         self.comm.load_state_dict(fresh)
         if mine is not None:
             set_rng_state(mine["rng"], self.topo.device)
         else:
             seed_rank(self.train_cfg.seed, rank, self.step)
+        if saved_world == self.topo.world_size:
+            if self.topo.is_main:
+                self.warn_layout_changed(ckpt_dir, manifest, shared, layout_then, layout)
+            return
         position = self.replan_position(t)
         if self.topo.is_main:
             self.warn_world_size_changed(ckpt_dir, manifest, shared, position)
+
+    def comm_layout(self) -> dict[str, Any]:
+        """What the communicator's per-rank state is laid out by: ranks per node (a hierarchical shard per local
+        rank), the communicator's class and its buckets (sizes, in order). Residuals saved under another layout
+        do not fit and are dropped at resume."""
+        buckets = [bucket.numel for bucket in getattr(self.comm, "buckets", [])]
+        return {"ranks_per_node": self.topo.ranks_per_node, "comm": type(self.comm).__name__,
+                "buckets": hashlib.sha256(json.dumps(buckets).encode()).hexdigest()[:16]}
+
+    def dropped_comm_state(self, manifest: dict, shared: dict) -> str:
+        """The warning's words for the communicator's per-rank state dropped at resume."""
+        saved = manifest["world_size"]
+        rank_bytes = sum(manifest["files"][rank_file(r)]["bytes"] for r in range(saved))
+        dropped = shared["comm_per_rank"]
+        return (f"dropped the communicator's per-rank state {dropped} (error-feedback residuals) of all {saved} "
+                f"ranks ({rank_bytes / 1e6:.2f} MB of rank files): every rank starts with zero residuals"
+                if dropped else "the communicator had no per-rank tensors to drop")
+
+    def warn_layout_changed(self, ckpt_dir: Path, manifest: dict, shared: dict, then: dict | None,
+                            now: dict) -> None:
+        """Rank 0's account of a resume on the same number of ranks under another communicator layout."""
+        then = then or {}
+        changed = ", ".join(f"{key} {then.get(key, 'unrecorded')} -> {now[key]}" for key in now
+                            if then.get(key) != now[key])
+        warnings.warn(f"resuming {ckpt_dir} on the same {self.topo.world_size} ranks but another communicator "
+                      f"layout ({changed}): model, optimizer, loss scaler, step {self.step}, data position and "
+                      f"random generators restored; {self.dropped_comm_state(manifest, shared)}", stacklevel=2)
 
     def replan_position(self, saved: dict) -> str:
         """Where the unfinished epoch continues on another world size (from the saved loop state `saved`), said
@@ -379,11 +416,7 @@ class Trainer:
     def warn_world_size_changed(self, ckpt_dir: Path, manifest: dict, shared: dict, position: str) -> None:
         """Rank 0's account of a resume on another number of ranks: what was kept, dropped and re-seeded."""
         saved, world = manifest["world_size"], self.topo.world_size
-        rank_bytes = sum(manifest["files"][rank_file(r)]["bytes"] for r in range(saved))
-        dropped = shared["comm_per_rank"]
-        comm = (f"dropped the communicator's per-rank state {dropped} (error-feedback residuals) of all {saved} "
-                f"ranks ({rank_bytes / 1e6:.2f} MB of rank files): every rank starts with zero residuals"
-                if dropped else "the communicator had no per-rank tensors to drop")
+        comm = self.dropped_comm_state(manifest, shared)
         rng = (f"{ranks(saved, world - 1)} seeded random generators from train.seed, {ranks(0, saved - 1)} "
                "restored theirs" if world > saved else f"{ranks(0, world - 1)} restored their random generators")
         warnings.warn(f"resuming {ckpt_dir}, written by {saved} ranks, on {world} ranks: model, optimizer, loss "
