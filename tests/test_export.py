@@ -4,6 +4,7 @@ strict=True and gives the trained model's logits, and to ONNX that onnxruntime r
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,10 @@ import torch
 import torchvision
 
 from recipes.resnet50 import Config, build_model
-from trainer.checkpoint import checkpoint_dirs, load_model_state
+from trainer.checkpoint import MODEL, checkpoint_dirs, load_model_state, rank_file
 from trainer.config import ConfigError, load_config
-from trainer.export import ExportError, export_onnx, main, onnx_max_error, resnet_weights
+from trainer.export import (ExportError, _load_model, export_onnx, main, onnx_max_error, resnet_weights,
+                            select_checkpoints)
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_cpu.yaml"
 HUB_FILE = "resnet18-f37072fd.pth"  # the name torchvision gives ResNet18_Weights.IMAGENET1K_V1's download
@@ -141,3 +143,29 @@ def test_export_errors_are_one_clear_line(trained_run, tmp_path, capsys):
     (translation / "config.yaml").write_text("model:\n  d_model: 64\n")
     with pytest.raises(ExportError, match="not a run of the ResNet recipe"):
         main([str(translation), "--format", "onnx"])
+
+
+def test_only_the_model_file_is_verified_and_a_vanished_checkpoint_is_one_line(trained_run, tmp_path):
+    """Export reads model.pt alone: a torn rank file does not hide a good model, a torn model.pt is named, and a
+    folder removed between choosing and loading (a live run pruning) is an ExportError, not a traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    newest = checkpoint_dirs(run)[0]
+    with open(newest / rank_file(0), "ab") as f:
+        f.write(b"torn")
+    path = main([str(run), "--format", "torchvision", "--out", str(tmp_path / "w.pth")])
+    assert torch.load(path, weights_only=True).keys() == load_model_state(checkpoint_dirs(trained_run)[0]).keys()
+    with open(newest / MODEL, "ab") as f:
+        f.write(b"torn")
+    step = int(newest.name.split("-")[1])
+    with pytest.raises(ExportError, match=rf"checkpoint of step {step} cannot be used: .*model\.pt: truncated"):
+        main([str(run), "--format", "torchvision", "--step", str(step)])
+    with pytest.warns(UserWarning, match="skipping checkpoint"), \
+            pytest.raises(ExportError, match=r"no checkpoint in .* has a complete model\.pt"):
+        main([str(run), "--format", "torchvision"])
+    shutil.rmtree(run)
+    shutil.copytree(trained_run, run)
+    chosen = select_checkpoints(run)
+    shutil.rmtree(chosen[0])
+    with pytest.raises(ExportError, match=r"model\.pt: gone or changed while being read .*run the export again"):
+        _load_model(chosen[0])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 import yaml
 
-from trainer.checkpoint import LegacyCheckpointError, checkpoint_dirs, load_model_state, read_manifest
+from trainer.checkpoint import (MODEL, CorruptCheckpointError, legacy_error, legacy_files, load_file, read_manifest,
+                                step_dirs, verify_files)
 from trainer.torchvision_weights import WeightsMismatchError, num_classes_of, to_torchvision, torchvision_model
 
 FORMATS = ("torchvision", "onnx")
@@ -47,30 +49,74 @@ def read_run_config(run_dir: str | Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text()) or {}
 
 
+def _listed_checkpoints(folder: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The checkpoint folders with a valid manifest, newest first (nothing hashed yet); others are skipped with a
+    warning, as is a folder a live run prunes while this reads."""
+    found = []
+    for ckpt_dir in step_dirs(folder):
+        try:
+            found.append((ckpt_dir, read_manifest(ckpt_dir)))
+        except CorruptCheckpointError as e:
+            warnings.warn(f"skipping checkpoint: {e}", stacklevel=3)
+    if not found and legacy_files(folder):
+        raise ExportError(str(legacy_error(folder)))
+    return found
+
+
+def _model_verified(ckpt_dir: Path, manifest: dict[str, Any]) -> str | None:
+    """None when the folder's model file matches its manifest (the rank files, which export never reads, are not
+    hashed); otherwise why not."""
+    try:
+        verify_files(ckpt_dir, manifest, [MODEL])
+    except (CorruptCheckpointError, OSError) as e:
+        return str(e)
+    return None
+
+
 def select_checkpoints(run_dir: str | Path, step: int | None = None, last: int = 1) -> list[Path]:
-    """`last` complete checkpoints of the run, newest first, the first being the one of `step` (default: the
-    newest)."""
+    """`last` checkpoints of the run whose model file is complete, newest first, the first being the one of
+    `step` (default: the newest such checkpoint)."""
     if last < 1:
         raise ExportError(f"--average-last must be >= 1, got {last}")
-    try:
-        found = checkpoint_dirs(Path(run_dir))
-    except LegacyCheckpointError as e:
-        raise ExportError(str(e)) from None
-    if not found:
-        raise ExportError(f"{run_dir}: no complete checkpoint in {Path(run_dir) / 'checkpoints'} (a run writes one "
-                          "every train.checkpoint_every_epochs and at its end)")
-    steps = [int(read_manifest(d)["step"]) for d in found]
+    folder = Path(run_dir) / "checkpoints"
+    listed = _listed_checkpoints(folder)
+    if not listed:
+        raise ExportError(f"{run_dir}: no complete checkpoint in {folder} (a run writes one every "
+                          "train.checkpoint_every_epochs and at its end)")
+    steps = [int(manifest["step"]) for _, manifest in listed]
     start = 0
     if step is not None:
         if step not in steps:
             raise ExportError(f"{run_dir}: no checkpoint of step {step} (complete ones: steps "
                               f"{', '.join(map(str, sorted(steps)))})")
         start = steps.index(step)
-    chosen = found[start:start + last]
+        problem = _model_verified(*listed[start])
+        if problem is not None:
+            raise ExportError(f"the checkpoint of step {step} cannot be used: {problem}")
+    chosen = []
+    for ckpt_dir, manifest in listed[start:]:
+        if len(chosen) == last:
+            break
+        problem = _model_verified(ckpt_dir, manifest)
+        if problem is None:
+            chosen.append(ckpt_dir)
+        else:
+            warnings.warn(f"skipping checkpoint: {problem}", stacklevel=2)
+    if not chosen:
+        raise ExportError(f"{run_dir}: no checkpoint in {folder} has a complete {MODEL}")
     if len(chosen) < last:
-        raise ExportError(f"{run_dir}: {last} checkpoints asked for, {len(chosen)} there up to step {steps[start]} "
-                          "(a run keeps train.keep_checkpoints of them)")
+        raise ExportError(f"{run_dir}: {last} checkpoints asked for, {len(chosen)} usable ones there up to step "
+                          f"{steps[start]} (a run keeps train.keep_checkpoints of them)")
     return chosen
+
+
+def _load_model(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """The model state of a verified folder; ExportError when a live run removed it (pruning) meanwhile."""
+    try:
+        return load_file(ckpt_dir, MODEL, verify=False)
+    except (OSError, RuntimeError, EOFError, CorruptCheckpointError) as e:
+        raise ExportError(f"{ckpt_dir / MODEL}: gone or changed while being read ({e}); a live run prunes old "
+                          "checkpoints (train.keep_checkpoints): run the export again") from None
 
 
 def average_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -98,7 +144,7 @@ def load_weights(run_dir: str | Path, step: int | None = None, average_last: int
                  ) -> tuple[dict[str, torch.Tensor], list[Path]]:
     """The run's model weights (one checkpoint's, or the mean of `average_last`) and the checkpoints read."""
     chosen = select_checkpoints(run_dir, step, average_last)
-    states = [load_model_state(d) for d in chosen]
+    states = [_load_model(d) for d in chosen]
     return (states[0] if len(states) == 1 else average_states(states)), chosen
 
 
