@@ -21,8 +21,8 @@ import torch
 from tests.conftest import run_ranks
 from tests.faults.inject import Fault, install
 from tests.test_trainer import TINY, phases
-from trainer.checkpoint import (MANIFEST, MODEL, LegacyCheckpointError, checkpoint_dirs, latest_checkpoint,
-                                rank_file)
+from trainer.checkpoint import (MANIFEST, MODEL, CheckpointWriteError, LegacyCheckpointError, checkpoint_dirs,
+                                latest_checkpoint, rank_file)
 from trainer.comm import LocalCommunicator
 from trainer.dist import DistConfig, setup_distributed
 from trainer.loop import PREEMPTED_EXIT_CODE, Components, LoopConfig, ProgressLines, TrainConfig, Trainer
@@ -231,3 +231,24 @@ def test_a_resume_whose_epoch_has_other_steps_says_the_rest_is_replanned(tmp_pat
     assert trainer.step_in_epoch == 15
     assert "re-planned for 1 ranks (30 steps instead of 40): it continues at step 15" in moved
     assert "some pairs may be trained twice and some skipped" in moved and "sample" not in moved
+
+
+def _checkpoint_with_a_failing_writer(rank: int, world: int, tmp: str) -> str:
+    trainer = one_process_trainer(Path(tmp))
+    if rank == 1:
+        def write(*args: object) -> None:
+            raise RuntimeError("torch.save failed half-way")
+        trainer.writer.write = write  # type: ignore[method-assign]
+    try:
+        trainer.checkpoint(background=False)
+    except CheckpointWriteError as e:
+        return str(e)
+    return "no error"
+
+
+def test_any_failure_of_one_ranks_checkpoint_write_stops_every_rank(tmp_path):
+    # a RuntimeError on rank 1 (not a write error): rank 0 must not wait for it in the next collective
+    messages = run_ranks(_checkpoint_with_a_failing_writer, 2, tmp_path, str(tmp_path / "run"), timeout=240)
+    assert "RuntimeError: torch.save failed half-way; stopping" in messages[1]
+    assert "1 rank(s) could not write their part of the checkpoint" in messages[0]
+    assert not (tmp_path / "run" / "checkpoints" / "step-00000000").exists()  # the unfinished folder removed

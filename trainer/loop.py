@@ -64,6 +64,11 @@ def ranks(first: int, last: int) -> str:
     return f"rank {first}" if first == last else f"ranks {first}-{last}"
 
 
+def describe_error(error: BaseException) -> str:
+    """A checkpoint failure in words: a CheckpointWriteError's own message, else the exception's type and text."""
+    return str(error) if isinstance(error, CheckpointWriteError) else f"{type(error).__name__}: {error}"
+
+
 def holds_tensors(value: Any) -> bool:
     """Whether a state entry holds tensors (nested dicts, lists, tuples)."""
     if isinstance(value, torch.Tensor):
@@ -448,21 +453,26 @@ class Trainer:
         broadcast_module(self.model, self.topo, buffers_only=True)
         self.checkpoints_started += 1
         token = f"{self.token}-{self.checkpoints_started}"  # a rewrite of the same step is a new attempt
-        files = self.checkpoint_files()
+        # Any failure (a full disk, a pickling error, MemoryError) is passed to every rank: raised on this one
+        # alone, it would leave the others waiting in their next collective.
+        error, ckpt_dir = "", self.writer.folder / step_dir_name(self.step)
         if background:
-            self.writer.write_in_background(self.step, files, token)
+            try:  # the snapshot to host memory, here; the write's own failures come from wait_for_checkpoints
+                self.writer.write_in_background(self.step, self.checkpoint_files(), token)
+            except Exception as e:  # noqa: BLE001
+                error = describe_error(e)
+            self.raise_if_checkpoint_failed(error)
         else:
-            error = ""
             try:
-                ckpt_dir = self.writer.write(self.step, files, token)
-            except CheckpointWriteError as e:
-                ckpt_dir, error = self.writer.folder / step_dir_name(self.step), str(e)
+                self.writer.write(self.step, self.checkpoint_files(), token)
+            except Exception as e:  # noqa: BLE001
+                error = describe_error(e)
             self.raise_if_checkpoint_failed(error, ckpt_dir)
             if self.topo.is_main:
                 try:
                     self.writer.finish(self.step, token)
-                except CheckpointWriteError as e:
-                    error = str(e)
+                except Exception as e:  # noqa: BLE001
+                    error = describe_error(e)
             self.raise_if_checkpoint_failed(error, ckpt_dir)
         self.last_checkpoint_step = self.step
         self.checkpoint_s += time.perf_counter() - start
