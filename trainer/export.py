@@ -105,8 +105,8 @@ def select_checkpoints(run_dir: str | Path, step: int | None = None, last: int =
     if not chosen:
         raise ExportError(f"{run_dir}: no checkpoint in {folder} has a complete {MODEL}")
     if len(chosen) < last:
-        raise ExportError(f"{run_dir}: {last} checkpoints asked for, {len(chosen)} usable ones there up to step "
-                          f"{steps[start]} (a run keeps train.keep_checkpoints of them)")
+        raise ExportError(f"{run_dir}: {last} checkpoints asked for, {len(chosen)} there up to step {steps[start]} "
+                          "(a run keeps train.keep_checkpoints of them)")
     return chosen
 
 
