@@ -10,7 +10,9 @@ epoch 1.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -252,3 +254,86 @@ def test_any_failure_of_one_ranks_checkpoint_write_stops_every_rank(tmp_path):
     assert "RuntimeError: torch.save failed half-way; stopping" in messages[1]
     assert "1 rank(s) could not write their part of the checkpoint" in messages[0]
     assert not (tmp_path / "run" / "checkpoints" / "step-00000000").exists()  # the unfinished folder removed
+
+
+class SignalledTask(PlannedTask):
+    """A whole (tiny) task for `Trainer.fit` in one process; `signal_in` names the hook that sends this process
+    a SIGUSR1 (evaluate: after the last step's preemption check), and `test` records what it finds."""
+
+    def __init__(self, model: torch.nn.Module, signal_in: str) -> None:
+        super().__init__(model, steps=2)
+        self.signal_in, self.seen = signal_in, {}
+        self.trainer: Trainer | None = None
+
+    def train_batches(self, phase: object, epoch: int, start_step: int = 0):
+        return iter([torch.ones(1, 2)] * (self.steps - start_step))
+
+    def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self.model(batch).sum(), 1
+
+    def evaluate(self, phase: object) -> dict[str, float]:
+        if self.signal_in == "evaluate":
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return {}
+
+    def test(self) -> dict[str, float]:
+        if self.trainer is not None:  # the final test, after training
+            self.seen = {"handler": signal.getsignal(signal.SIGUSR1), "watchdog": self.trainer.watchdog}
+        return {}
+
+    def target_reached(self, record: dict) -> bool:
+        return False
+
+    def describe(self, phase: object) -> str:
+        return "tiny"
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+def test_a_signal_after_the_last_check_leaves_no_grace_timer_past_training(tmp_path):
+    topo = setup_distributed(DistConfig())
+    model = torch.nn.Linear(2, 1)
+    task = SignalledTask(model, signal_in="evaluate")
+    trainer = Trainer(LoopConfig(TrainConfig(epochs=1, preempt_grace_s=600),
+                                 log=LogConfig(dir=str(tmp_path), progress=False)), topo, task,
+                      Components(model, torch.optim.SGD(model.parameters(), lr=0.1), LocalCommunicator(topo)))
+    task.trainer = trainer
+    before = signal.getsignal(signal.SIGUSR1)
+    trainer.fit()
+    assert trainer.preempt_signal == signal.SIGUSR1  # it came, after the last step's check
+    assert task.seen["handler"] == before  # the final test runs under the previous handlers
+    assert task.seen["watchdog"].finished.is_set()  # cancelled (set by cancel; else only after 600 s)
+
+
+def test_a_forked_child_does_not_act_on_the_inherited_handler(tmp_path):
+    trainer = one_process_trainer(tmp_path, preempt_grace_s=600)
+    restore = trainer.install_preemption_handlers()
+    try:
+        pid = os.fork()
+        if pid == 0:  # a DataLoader worker, as fork starts it
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(0 if trainer.watchdog is None and trainer.preempt_signal is None else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0  # alive after SIGTERM, and no timer of its own
+        assert trainer.preempt_signal is None
+    finally:
+        restore()
+
+
+def _agree_on_a_signal(rank: int, world: int, tmp: str) -> tuple[bool, bool, int]:
+    trainer = one_process_trainer(Path(tmp), preempt_grace_s=600)
+    restore = trainer.install_preemption_handlers()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    armed_before = trainer.watchdog is not None
+    agreed = trainer.preemption_agreed()
+    armed = trainer.watchdog is not None
+    trainer.cancel_watchdog()
+    restore()
+    return agreed, armed and not (rank == 0 and armed_before), trainer.preempted_ranks
+
+
+def test_every_rank_has_the_grace_timer_once_the_ranks_agree_on_a_signal(tmp_path):
+    results = run_ranks(_agree_on_a_signal, 2, tmp_path, str(tmp_path / "run"), timeout=240)
+    assert results == [(True, True, 1), (True, True, 1)]  # rank 0 was not signalled, yet has its timer

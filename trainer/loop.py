@@ -260,6 +260,8 @@ class Trainer:
         """The stop signal this rank received (SIGTERM, SIGUSR1), if any."""
         self.preempted_ranks = 0
         self.watchdog: threading.Timer | None = None
+        """The grace timer (train.preempt_grace_s), armed by a stop signal or by the ranks' agreement on one."""
+        self._handler_pid = os.getpid()
         # State (checkpointed): next epoch and the steps of it already done, global step, wall-clock seconds
         # so far, eval history, target time, steps the loss scaler skipped.
         self.epoch, self.step_in_epoch, self.step, self.elapsed_s = 0, 0, 0, 0.0
@@ -504,36 +506,54 @@ class Trainer:
 
     def install_preemption_handlers(self) -> Callable[[], None]:
         """Catch SIGTERM and SIGUSR1 (on the main thread): the handler only records the signal, the loop acts at
-        the next step end. Returns what restores the previous handlers."""
+        the next step end. Returns what restores the previous handlers. A process forked from this one (a
+        DataLoader worker) inherits the handler; there it does nothing (the worker ignores the signal and
+        ends with its loader), so that no worker arms a grace timer of its own."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
+        self._handler_pid = os.getpid()
         previous = {sig: signal.signal(sig, self.on_preemption_signal) for sig in PREEMPT_SIGNALS}
         return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]  # type: ignore[func-returns-value]
 
     def on_preemption_signal(self, signum: int, frame: Any) -> None:
-        if self.preempt_signal is not None:
+        if os.getpid() != self._handler_pid or self.preempt_signal is not None:
             return
         self.preempt_signal = signum
-        # The watchdog: past the grace period, leave with the restartable status even without a checkpoint
-        # (before the platform's SIGKILL, so that the launcher still sees a restartable exit).
+        self.arm_watchdog()
+
+    def arm_watchdog(self) -> None:
+        """Past train.preempt_grace_s from now, leave with the restartable status even without a checkpoint
+        (before the platform's SIGKILL, so that the launcher still sees a restartable exit)."""
+        if self.watchdog is not None:
+            return
         self.watchdog = threading.Timer(self.train_cfg.preempt_grace_s, self.exit_after_grace)
         self.watchdog.daemon = True
         self.watchdog.start()
 
+    def cancel_watchdog(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+
     def exit_after_grace(self) -> None:
-        print(f"rank {self.topo.rank}: {signal.Signals(self.preempt_signal).name} received "
-              f"{self.train_cfg.preempt_grace_s:g} s ago and no checkpoint written since (train.preempt_grace_s); "
-              f"exiting with status {PREEMPTED_EXIT_CODE} without one", file=sys.stderr, flush=True)
+        what = (f"{signal.Signals(self.preempt_signal).name} received" if self.preempt_signal is not None else
+                "the ranks agreed a stop signal reached one of them")
+        print(f"rank {self.topo.rank}: {what} {self.train_cfg.preempt_grace_s:g} s ago and no checkpoint written "
+              f"since (train.preempt_grace_s); exiting with status {PREEMPTED_EXIT_CODE} without one",
+              file=sys.stderr, flush=True)
         os._exit(PREEMPTED_EXIT_CODE)
 
     def preemption_agreed(self) -> bool:
-        """Collective every train.preempt_check_every_steps steps: whether any rank was signalled."""
+        """Collective every train.preempt_check_every_steps steps: whether any rank was signalled. Once they
+        agree, every rank has a grace timer (the signalled ones since the signal, the others from now), so a
+        rank stuck in the stop's checkpoint exits with the restartable status too."""
         if self.step % self.train_cfg.preempt_check_every_steps:
             return False
         if not self.topo.distributed:
             return self.preempt_signal is not None
         (signalled,) = all_reduce_sum([0.0 if self.preempt_signal is None else 1.0], self.topo)
         self.preempted_ranks = int(signalled)
+        if signalled > 0:
+            self.arm_watchdog()
         return signalled > 0
 
     def stop_for_preemption(self, bar: Any) -> None:
@@ -545,8 +565,7 @@ class Trainer:
         else:
             self.wait_for_checkpoints()
         bar.close()
-        if self.watchdog is not None:
-            self.watchdog.cancel()  # the checkpoint is complete: leave through the normal exit path
+        self.cancel_watchdog()  # the checkpoint is complete: leave through the normal exit path
         if self.topo.is_main:
             print(f"preempted: a stop signal (SIGTERM/SIGUSR1) reached {max(1, self.preempted_ranks)} rank(s); "
                   f"checkpoint of step {self.step} complete in {time.perf_counter() - start:.1f} s; exiting with "
@@ -658,6 +677,9 @@ class Trainer:
             bar.close()
             self.wait_for_checkpoints()
         finally:
+            # Training is over (its last checkpoint complete): a signal from here on is the platform's to act
+            # on, and no grace timer outlives the loop.
+            self.cancel_watchdog()
             restore_handlers()
         return self.finish_summary(untrained, self.test("trained"))
 
