@@ -343,8 +343,12 @@ def _extract_val(val_tar: Path, labels: dict[str, str], work: Path, progress: bo
             dest = work / wnid / name
             if not (dest.is_file() and dest.stat().st_size == member.size):  # present = written completely
                 part = dest.with_name(f".{name}.part")
-                with tar.extractfile(member) as src:
-                    _copy(src, part, out)
+                try:
+                    with tar.extractfile(member) as src:
+                        _copy(src, part, out)
+                except (tarfile.TarError, OSError, EOFError) as e:  # reading: _copy turns write errors into its own
+                    raise PrepareError(f"{val_tar}: {name} cannot be read ({e}); the images written so far are "
+                                       f"kept: replace the archive and run again") from None
                 with _writing(out):
                     os.replace(part, dest)
             bar.update()

@@ -244,6 +244,11 @@ def test_bad_inputs_get_one_clear_line(archives, tmp_path):
     with pytest.raises(SystemExit, match="not WordNet ids"):
         prepare_main(["--val-tar", str(archives / ilsvrc.VAL_TAR), "--val-labels", str(tmp_path / "labels.txt"),
                       "--out", str(tmp_path / "d"), "--no-progress"])
+    data = (archives / ilsvrc.VAL_TAR).read_bytes()
+    (tmp_path / "cut.tar").write_bytes(data[:len(data) // 2 + 700])  # cut inside an image
+    with pytest.raises(SystemExit, match=r"cut.tar: .*(cannot be read|cut short)"):
+        prepare_main(["--val-tar", str(tmp_path / "cut.tar"), "--devkit", str(archives / ilsvrc.DEVKIT),
+                      "--out", str(tmp_path / "c"), "--no-progress"])
     few = {ilsvrc.val_file_name(1): WNIDS[0]}
     (tmp_path / "few.txt").write_text("".join(f"{f} {w}\n" for f, w in few.items()))
     with pytest.raises(SystemExit, match="11 images have no label"):
