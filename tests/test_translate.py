@@ -18,6 +18,7 @@ from recipes.transformer_model import Seq2SeqTransformer, TransformerConfig
 from trainer.checkpoint import checkpoint_dirs, load_model_state
 from trainer.decoding import Search, beam_search, greedy_decode
 from trainer.export import ExportError, average_states, load_weights
+from trainer.translate import resolve_device
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "transformer_quickstart_cpu.yaml"
 
@@ -153,7 +154,7 @@ def test_translate_scores_beam_against_greedy_and_translates_text(trained_run, t
     lines = (trained_run.parent / "corpus" / "valid.en").read_text(encoding="utf-8").splitlines()[:5]
     (tmp_path / "in.en").write_text("\n".join([lines[0], "", *lines[1:]]) + "\n", encoding="utf-8")
     assert main(["translate", str(trained_run), "--beam", "4", "--input", str(tmp_path / "in.en"),
-                 "--output", str(tmp_path / "out.de")]) == {}
+                 "--output", str(tmp_path / "out.de"), "--device", "cpu"]) == {}
     got = (tmp_path / "out.de").read_text(encoding="utf-8").splitlines()
     assert got == [beam_hyps[0], "", *beam_hyps[1:5]]
 
@@ -193,3 +194,16 @@ def test_translate_errors_are_one_clear_line(trained_run, tmp_path):
         main(["translate", str(empty)])
     with pytest.raises(ExportError, match="no such folder"):
         main(["translate", str(tmp_path / "nowhere")])
+
+
+def test_the_device_option_names_a_device_or_is_one_clear_line(tmp_path):
+    assert resolve_device(None) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ExportError, match="--device gpu0: not a torch device"):
+        main(["translate", str(tmp_path / "nowhere"), "--device", "gpu0"])  # checked before the run is read
+    if not torch.cuda.is_available():
+        with pytest.raises(ExportError, match="--device cuda: no CUDA device here"):
+            main(["translate", str(tmp_path / "nowhere"), "--device", "cuda"])
+    else:
+        with pytest.raises(ExportError, match="--device cuda:999: this machine has"):
+            main(["translate", str(tmp_path / "nowhere"), "--device", "cuda:999"])

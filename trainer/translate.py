@@ -2,6 +2,7 @@
 
     python -m recipes.transformer translate RUN [--beam 4] [--len-penalty 1.0] [--average-last N] [--step N]
                                                 [--input FILE|-] [--output FILE] [--split NAME] [--limit N]
+                                                [--device cuda|cpu|cuda:1]
 
 RUN is the run folder (its log.dir): its config.yaml says how to build the model and where the corpus and
 its sentencepiece model are; its checkpoints give the weights (the newest complete one, or the mean of the
@@ -45,7 +46,23 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser.add_argument("--split", help="split scored without --input (default: the run's test split, else valid)")
     parser.add_argument("--limit", type=int, default=0, help="score only the first N sentences of the split")
     parser.add_argument("--data-root", help="the corpus folder, if it moved since training (default: data.root)")
+    parser.add_argument("--device", help="torch device to decode on (default: cuda if available, else cpu)")
     return parser.parse_args(argv)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The --device to decode on: the one named, or cuda when there is one, else cpu."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ExportError(f"--device {name}: not a torch device ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ExportError(f"--device {name}: no CUDA device here (use --device cpu)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ExportError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
 
 
 def load_run(config_cls: type[C], build_model: BuildModel, args: argparse.Namespace,
@@ -73,8 +90,8 @@ def translate_main(config_cls: type[C], build_model: BuildModel, argv: list[str]
     """The command; returns {"greedy": BLEU, "beam": BLEU} when scoring a split, {} when translating text. A
     user mistake raises with `raise_errors` (tests match its text), else ends the process with one line."""
     args = parse_args(argv, prog)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        device = resolve_device(args.device)
         if args.beam < 1:
             raise ExportError(f"--beam must be >= 1, got {args.beam}")
         cfg, data, model, source = load_run(config_cls, build_model, args, device)
