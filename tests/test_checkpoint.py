@@ -9,6 +9,7 @@ epoch 1.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from tests.conftest import run_ranks
 from tests.faults.inject import Fault, install
 from tests.test_trainer import TINY, phases
 from trainer.checkpoint import (MANIFEST, MODEL, CheckpointWriteError, LegacyCheckpointError, checkpoint_dirs,
-                                latest_checkpoint, rank_file)
+                                latest_checkpoint, rank_file, write_atomic)
 from trainer.comm import LocalCommunicator
 from trainer.dist import DistConfig, setup_distributed
 from trainer.loop import PREEMPTED_EXIT_CODE, Components, LoopConfig, ProgressLines, TrainConfig, Trainer
@@ -337,3 +338,10 @@ def _agree_on_a_signal(rank: int, world: int, tmp: str) -> tuple[bool, bool, int
 def test_every_rank_has_the_grace_timer_once_the_ranks_agree_on_a_signal(tmp_path):
     results = run_ranks(_agree_on_a_signal, 2, tmp_path, str(tmp_path / "run"), timeout=240)
     assert results == [(True, True, 1), (True, True, 1)]  # rank 0 was not signalled, yet has its timer
+
+
+def test_a_write_error_reads_without_an_errno_prefix_and_keeps_the_errno(tmp_path):
+    with pytest.raises(CheckpointWriteError) as caught:
+        write_atomic(tmp_path / "missing" / "model.pt", b"weights")
+    assert str(caught.value).startswith(f"could not write checkpoint file {tmp_path / 'missing' / 'model.pt'}")
+    assert "[Errno" not in str(caught.value) and caught.value.errno == errno.ENOENT

@@ -47,7 +47,12 @@ class CorruptCheckpointError(ValueError):
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (e.g. the disk is full); the previous checkpoints are untouched."""
+    """A checkpoint could not be written (e.g. the disk is full); the previous checkpoints are untouched. The
+    message is the whole text (no "[Errno N]" prefix); `errno` is the failed call's, where there was one."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 class LegacyCheckpointError(ValueError):
@@ -97,9 +102,9 @@ def write_atomic(path: Path, payload: bytes) -> None:
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except OSError as e:
-        raise CheckpointWriteError(e.errno, f"could not write checkpoint file {path} ({len(payload) / 1e6:.1f} MB): "
-                                            f"{e.strerror or e}; the previous checkpoints in {path.parent.parent} "
-                                            "are intact") from e
+        raise CheckpointWriteError(f"could not write checkpoint file {path} ({len(payload) / 1e6:.1f} MB): "
+                                   f"{e.strerror or e}; the previous checkpoints in {path.parent.parent} are intact",
+                                   e.errno) from e
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -272,11 +277,11 @@ def collect_rank_records(ckpt_dir: Path, world_size: int, token: str, timeout_s:
             if record is not None and record.get("token") == token:
                 break
             if time.monotonic() > deadline:
-                raise CheckpointWriteError(0, f"rank {rank} did not finish writing its part of {ckpt_dir} within "
-                                              f"{timeout_s:.0f}s; the previous checkpoints are intact")
+                raise CheckpointWriteError(f"rank {rank} did not finish writing its part of {ckpt_dir} within "
+                                           f"{timeout_s:.0f}s; the previous checkpoints are intact")
             time.sleep(0.05)
         if "error" in record:
-            raise CheckpointWriteError(0, f"rank {rank} could not write its part of {ckpt_dir}: {record['error']}")
+            raise CheckpointWriteError(f"rank {rank} could not write its part of {ckpt_dir}: {record['error']}")
         files.update(record["files"])
     return files
 
@@ -353,5 +358,5 @@ class CheckpointWriter:
         except CheckpointWriteError:
             raise
         except Exception as e:  # noqa: BLE001 - e.g. a pickling error or MemoryError in the writer thread
-            raise CheckpointWriteError(0, f"the background checkpoint write failed: {type(e).__name__}: {e}; the "
-                                          f"previous checkpoints in {self.folder} are intact") from e
+            raise CheckpointWriteError(f"the background checkpoint write failed: {type(e).__name__}: {e}; the "
+                                       f"previous checkpoints in {self.folder} are intact") from e

@@ -496,11 +496,10 @@ class Trainer:
             return
         if ckpt_dir is not None and self.topo.is_main:
             shutil.rmtree(ckpt_dir, ignore_errors=True)
-        raise CheckpointWriteError(0, f"step {self.step}: {error}; stopping (free space, or point log.dir "
-                                      "elsewhere, then resume)" if error else
-                                      f"step {self.step}: {int(failed)} rank(s) could not write their part of the "
-                                      "checkpoint (their errors say why); stopping with the previous checkpoints "
-                                      "intact")
+        raise CheckpointWriteError(f"step {self.step}: {error}; stopping (free space, or point log.dir elsewhere, "
+                                   "then resume)" if error else
+                                   f"step {self.step}: {int(failed)} rank(s) could not write their part of the "
+                                   "checkpoint (their errors say why); stopping with the previous checkpoints intact")
 
     # ------------------------------------------------------------ preemption
 
