@@ -597,6 +597,12 @@ def load_run_calibration(run: str | Path) -> dict[str, float]:
     return found
 
 
+def calibration_densities(cal: dict[str, float]) -> tuple[float, ...]:
+    """The run's `comm.densities` from its calibration (`density/<i>`; empty when it did not log them)."""
+    count = sum(1 for key in cal if key.startswith("density/"))
+    return tuple(cal[f"density/{i}"] for i in range(count))
+
+
 def print_from_run(args: argparse.Namespace) -> dict[str, Any]:
     """What auto would choose, and the exposed exchange it predicts, at other bandwidths and cluster sizes,
     from a run's own calibration (links, selection cost, bucket sizes and ready times)."""
@@ -605,6 +611,7 @@ def print_from_run(args: argparse.Namespace) -> dict[str, Any]:
     cal = load_run_calibration(args.from_run)
     measured = Layout(int(cal["nodes"]), int(cal["ranks_per_node"]))
     base, sizes, ready = network_from_calibration(cal, measured)
+    densities = calibration_densities(cal) or _parse_densities(args.densities)
     factors = _parse_densities(args.rate_factors, "--rate-factors", upper=None)
     layouts = [measured, Layout(measured.nodes * 4, measured.per_node)]
     if (args.nodes, args.gpus_per_node) != (16, 8) or measured.per_node > 1:
@@ -618,7 +625,7 @@ def print_from_run(args: argparse.Namespace) -> dict[str, Any]:
     for layout in layouts:
         for factor in factors:
             net = with_inter_rate(base, factor, layout)
-            options = lambda n, lay=layout: candidates(n, lay, (0.01, 0.003, 0.001), cal["min_density"],  # noqa: E731
+            options = lambda n, lay=layout: candidates(n, lay, densities, cal["min_density"],  # noqa: E731
                                                        int(cal["dense_below"]))
             plan, exposed = choose(sizes, ready, net, options, bool(cal["local_competes"]))
             _, dense = choose(sizes, ready, net, lambda n: [DENSE], bool(cal["local_competes"]))
@@ -643,7 +650,8 @@ def _parse_densities(text: str, option: str = "--densities", upper: float | None
     except ValueError:
         raise PlanError(f"{option} {text!r}: expected numbers separated by commas, e.g. 0.001,0.01") from None
     if not values or any(not 0 < v or (upper is not None and v > upper) for v in values):
-        raise PlanError(f"{option} {text!r}: each value must be in (0, {upper if upper is not None else 'inf'}]")
+        what = "density" if option == "--densities" else "value"
+        raise PlanError(f"{option} {text!r}: each {what} must be in (0, {upper if upper is not None else float('inf'):g}]")
     return values
 
 

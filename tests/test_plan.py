@@ -226,10 +226,11 @@ def test_plan_prints_the_paper_setting_next_to_the_published_times(capsys):
     assert math.isfinite(out["recommended_s"]) and out["recommended_s"] < out["dense_s"]
 
 
-def _auto_run(folder, link_bytes_per_s: float) -> None:
+def _auto_run(folder, link_bytes_per_s: float, densities: tuple[float, ...] = ()) -> None:
     """A run folder whose metrics.jsonl holds an auto communicator's calibration (2 nodes x 2 ranks)."""
     calib = {"nodes": 2.0, "ranks_per_node": 2.0, "min_density": 0.01, "dense_below": 16384.0, "local_competes": 0.0,
-             "net_scale": 1.0, "select_per_element_s": 1e-8, "select_fixed_s": 1e-4, "cast_per_element_s": 1e-10}
+             "net_scale": 1.0, "select_per_element_s": 1e-8, "select_fixed_s": 1e-4, "cast_per_element_s": 1e-10,
+             **{f"density/{i}": d for i, d in enumerate(densities)}}
     for name in ("world", "world16", "world_gather", "inter"):
         calib[f"link/{name}/alpha_s"], calib[f"link/{name}/bytes_per_s"] = 1e-4, link_bytes_per_s
     calib["link/intra/alpha_s"], calib["link/intra/bytes_per_s"] = 1e-5, 10e9
@@ -251,6 +252,13 @@ def test_from_run_replans_a_runs_own_calibration_at_other_bandwidths(tmp_path, c
     assert all(float(c.split()[1]) >= 0.01 for p in out["plans"] for c in p["plan"] if " " in c)  # the safe bound
     assert "8x2" in {p["layout"] for p in out["plans"]}
     assert "auto's choice" in capsys.readouterr().out
+
+
+def test_from_run_plans_with_the_runs_own_densities(tmp_path):
+    _auto_run(tmp_path / "run", 1e9 / 8, densities=(0.1,))
+    out = plan.main(["--from-run", str(tmp_path / "run"), "--rate-factors", "0.2"])
+    sparse = [c for p in out["plans"] for c in p["plan"] if c.startswith(("topk", "hitopk"))]
+    assert sparse and all(float(c.split()[1]) == 0.1 for c in sparse), sparse
 
 
 def test_from_run_without_a_calibration_is_a_clear_error(tmp_path, capsys):
