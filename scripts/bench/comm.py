@@ -30,7 +30,6 @@ import torchvision
 from torch import nn
 
 from scripts.bench.common import bench_parser, emit_result, parse_args, print_table, real_image_batches
-from trainer.comm import KINDS as AVAILABLE_KINDS
 from trainer.comm import CommConfig, build_communicator
 from trainer.dist import DistConfig, setup_distributed
 from trainer.testing import run_ranks
@@ -42,9 +41,8 @@ KINDS: dict[str, dict[str, Any] | None] = {  # name -> comm config overrides (No
     "dense fp16": {"kind": "dense", "compression": "fp16"},
     "topk": {"kind": "topk"},
     "hitopk": {"kind": "hitopk"},
+    "auto": {"kind": "auto", "calibration_steps": 3},  # its fewest: decided within the warm-up
 }
-if "auto" in AVAILABLE_KINDS:
-    KINDS["auto"] = {"kind": "auto", "calibration_steps": 3}  # its fewest: decided within the warm-up
 
 
 def _rank(rank: int, world: int, warmup: int, batches: list[list[tuple[torch.Tensor, torch.Tensor]]],
