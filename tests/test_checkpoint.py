@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -345,3 +347,21 @@ def test_a_write_error_reads_without_an_errno_prefix_and_keeps_the_errno(tmp_pat
         write_atomic(tmp_path / "missing" / "model.pt", b"weights")
     assert str(caught.value).startswith(f"could not write checkpoint file {tmp_path / 'missing' / 'model.pt'}")
     assert "[Errno" not in str(caught.value) and caught.value.errno == errno.ENOENT
+
+
+LEAVE_DURING_A_BACKGROUND_WRITE = """
+import sys, torch
+from trainer.checkpoint import CheckpointWriter
+writer = CheckpointWriter(sys.argv[1], rank=0, world_size=2, wait_timeout_s=600)
+# rank 0's thread writes its part, then waits for rank 1's record, which never comes
+writer.write_in_background(1, {"rank-00000.pt": {"x": torch.ones(3)}}, "token")
+raise RuntimeError("the training thread failed")
+"""
+
+
+def test_a_process_leaving_on_an_error_does_not_wait_for_its_background_write(tmp_path):
+    # a hang guard, not a timing: the writer would wait 600 s for rank 1
+    result = subprocess.run([sys.executable, "-c", LEAVE_DURING_A_BACKGROUND_WRITE, str(tmp_path / "checkpoints")],
+                            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 1 and "the training thread failed" in result.stderr
+    assert not (tmp_path / "checkpoints" / "step-00000001" / MANIFEST).exists()

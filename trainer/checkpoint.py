@@ -25,9 +25,10 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -313,7 +314,6 @@ class CheckpointWriter:
         self.folder = Path(folder)
         self.rank, self.world_size, self.keep = rank, world_size, keep
         self.wait_timeout_s = wait_timeout_s
-        self._writer: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
 
     def write(self, step: int, files: dict[str, Any], token: str) -> Path:
@@ -338,14 +338,24 @@ class CheckpointWriter:
         and raises its CheckpointWriteError, if it failed."""
         self.wait()
         snapshot = to_host(files)
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        self._pending = self._writer.submit(self._write_and_finish, step, snapshot, token)
+        pending: Future = Future()
+        # A daemon thread: a process leaving on an error does not wait for a write (rank 0's wait for the other
+        # ranks' records can last wait_timeout_s); the files are atomic, so a write cut short leaves no torn one.
+        # The run waits for its writes on the normal path (`wait`).
+        threading.Thread(target=self._write_and_finish, args=(pending, step, snapshot, token),
+                         name="checkpoint-writer", daemon=True).start()
+        self._pending = pending
 
-    def _write_and_finish(self, step: int, files: dict[str, Any], token: str) -> None:
-        self.write(step, files, token)
-        if self.rank == 0:
-            self.finish(step, token)
+    def _write_and_finish(self, pending: Future, step: int, files: dict[str, Any], token: str) -> None:
+        pending.set_running_or_notify_cancel()
+        try:
+            self.write(step, files, token)
+            if self.rank == 0:
+                self.finish(step, token)
+        except BaseException as e:  # noqa: BLE001 - handed to `wait`, which raises it on the training thread
+            pending.set_exception(e)
+        else:
+            pending.set_result(None)
 
     def wait(self) -> None:
         """Wait for a background write; raise its error, if any, as a CheckpointWriteError (the caller stops
