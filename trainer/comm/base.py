@@ -109,17 +109,6 @@ class Communicator:
     def load_state_dict(self, state: dict) -> None:
         self.steps = state["steps"]
 
-    def gather_state(self) -> dict:
-        """Every rank's `state_dict()`, on rank 0 (a collective: call it on every rank)."""
-        return {"world_size": self.topo.world_size, "ranks": self.topo.world.gather_object(self.state_dict())}
-
-    def load_gathered_state(self, gathered: dict) -> None:
-        """Restore this rank's part of `gather_state()`'s result (the same world size is required)."""
-        if gathered.get("world_size") != self.topo.world_size:
-            raise ValueError(f"the checkpoint's communicator state is for {gathered.get('world_size')} ranks, this "
-                             f"run has {self.topo.world_size}")
-        self.load_state_dict(gathered["ranks"][self.topo.rank])
-
 
 class LocalCommunicator(Communicator):
     """One process: nothing to exchange (the null object, so the train step has no special case)."""
