@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from trainer.dist import Topology
 
 KINDS = ("dense", "dense16", "topk", "hitopk")
 """The per-bucket exchanges: dense fp32, dense on a 16-bit wire, flat top-k, hierarchical top-k."""
@@ -311,7 +314,7 @@ def exchange_bytes(ex: Exchange, layout: Layout) -> tuple[float, float]:
     return sent, inter
 
 
-def layout_of(topo: object) -> Layout:
+def layout_of(topo: Topology) -> Layout:
     """The `Layout` of a `trainer.dist.Topology`."""
     return Layout(int(topo.num_nodes), int(topo.ranks_per_node))
 
