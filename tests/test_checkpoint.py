@@ -27,7 +27,8 @@ from tests.conftest import run_ranks
 from tests.faults.inject import Fault, install
 from tests.test_trainer import TINY, phases
 from trainer.checkpoint import (MANIFEST, MODEL, CheckpointWriteError, LegacyCheckpointError, checkpoint_dirs,
-                                latest_checkpoint, rank_file, write_atomic)
+                                collect_rank_records, latest_checkpoint, prune, rank_file, step_dir_name,
+                                write_atomic, write_manifest, write_rank_files)
 from trainer.comm import LocalCommunicator
 from trainer.dist import DistConfig, setup_distributed
 from trainer.loop import PREEMPTED_EXIT_CODE, Components, LoopConfig, ProgressLines, TrainConfig, Trainer
@@ -365,3 +366,15 @@ def test_a_process_leaving_on_an_error_does_not_wait_for_its_background_write(tm
                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=240)
     assert result.returncode == 1 and "the training thread failed" in result.stderr
     assert not (tmp_path / "checkpoints" / "step-00000001" / MANIFEST).exists()
+
+
+def test_prune_keeps_the_newest_complete_checkpoints_not_a_torn_one(tmp_path):
+    for step in (1, 2, 3):
+        ckpt_dir = tmp_path / step_dir_name(step)
+        write_rank_files(ckpt_dir, {MODEL: {"w": torch.full((64,), float(step))}}, 0, "token")
+        write_manifest(ckpt_dir, step, 1, collect_rank_records(ckpt_dir, 1, "token", timeout_s=10))
+    torn = tmp_path / step_dir_name(3) / MODEL
+    torn.write_bytes(torn.read_bytes()[:100])  # truncated after its manifest was written
+    (tmp_path / step_dir_name(4)).mkdir()  # an attempt stopped before its manifest
+    prune(tmp_path, keep=2)
+    assert [d.name for d in sorted(tmp_path.iterdir())] == [step_dir_name(1), step_dir_name(2)]

@@ -294,11 +294,22 @@ def write_manifest(ckpt_dir: Path, step: int, world_size: int, files: dict[str, 
     write_atomic(ckpt_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
 
 
+def is_complete(ckpt_dir: Path) -> bool:
+    """Whether a folder has a valid manifest and every file it names, at its size (digests are not read: a
+    resume checks those)."""
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except CorruptCheckpointError:
+        return False
+    return all((ckpt_dir / name).is_file() and (ckpt_dir / name).stat().st_size == entry["bytes"]
+               for name, entry in manifest["files"].items())
+
+
 def prune(folder: Path, keep: int) -> None:
-    """Keep the `keep` newest checkpoints that have a manifest; remove every other step folder (older ones,
-    and incomplete or newer ones a stopped attempt left: the run writes its steps in order) and temporary
-    files."""
-    complete = [d for d in step_dirs(folder) if (d / MANIFEST).is_file()]
+    """Keep the `keep` newest complete checkpoints (`is_complete`); remove every other step folder (older ones,
+    torn ones, and incomplete or newer ones a stopped attempt left: the run writes its steps in order) and
+    temporary files."""
+    complete = [d for d in step_dirs(folder) if is_complete(d)]
     kept = set(complete[:keep])
     for d in step_dirs(folder):
         if d not in kept:
