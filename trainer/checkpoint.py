@@ -57,7 +57,7 @@ class CheckpointWriteError(OSError):
 
 
 class LegacyCheckpointError(ValueError):
-    """The folder holds only single-file checkpoints of an earlier version, which this version does not read."""
+    """The folder holds only single-file checkpoints (ckpt-NNNNNNNN.pt), a format this module does not read."""
 
 
 def step_dir_name(step: int) -> str:
@@ -183,11 +183,12 @@ def step_dirs(folder: Path) -> list[Path]:
 
 
 def legacy_files(folder: Path) -> list[Path]:
-    """Single-file checkpoints (ckpt-NNNNNNNN.pt) of an earlier version in `folder`."""
+    """Single-file checkpoints (ckpt-NNNNNNNN.pt, a format this module does not read) in `folder`."""
     return sorted(p for p in Path(folder).iterdir() if _LEGACY.match(p.name)) if Path(folder).is_dir() else []
 
 
 def legacy_error(folder: Path) -> LegacyCheckpointError:
+    """The error for a run folder that holds only single-file checkpoints: what they are and what to do."""
     found = legacy_files(folder)
     return LegacyCheckpointError(
         f"{folder} holds single-file checkpoints of an earlier version ({found[-1].name}, ...), which this version "
@@ -198,7 +199,7 @@ def legacy_error(folder: Path) -> LegacyCheckpointError:
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
     """The complete, verified checkpoints of a run (RUN/checkpoints/step-*), newest first. A folder without a
     valid manifest, or with a file whose size or digest differs from the manifest's, is skipped with a warning.
-    Raises LegacyCheckpointError when the run holds only checkpoints of the earlier single-file format."""
+    Raises LegacyCheckpointError when the run holds only single-file checkpoints (ckpt-NNNNNNNN.pt)."""
     folder = Path(run_dir) / "checkpoints"
     good = []
     for ckpt_dir in step_dirs(folder):
