@@ -159,7 +159,9 @@ def test_without_a_terminal_progress_is_a_line_every_n_steps(capsys):
     lines.set_postfix(epoch=1, loss="2.310")
     for _ in range(8):
         lines.update(1)
-    out = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    out = captured.err.splitlines()  # the stream whose terminal check chose the lines (and tqdm draws on)
+    assert captured.out == ""
     assert [line.split()[1] for line in out] == ["4/10", "8/10", "10/10"]  # every 4th step, and the last
     assert out[-1].startswith("step 10/10 (100%)") and out[-1].endswith("epoch=1 loss=2.310")
     assert "\r" not in "".join(out)  # nothing redrawn into a log file

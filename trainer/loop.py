@@ -205,7 +205,8 @@ def timed_next(batches: Iterator[Any]) -> tuple[Any, float]:
 
 class ProgressLines:
     """The progress bar's stand-in where output goes to a file: one line every `every` steps, e.g.
-    `step 120/1000 (12%) 3.1 steps/s, 4m 44s left  epoch=1 loss=2.310 lr=0.1`."""
+    `step 120/1000 (12%) 3.1 steps/s, 4m 44s left  epoch=1 loss=2.310 lr=0.1`, on stderr (the stream the bar
+    would draw on, and the one whose terminal check chose the lines)."""
 
     def __init__(self, total: int, initial: int, every: int) -> None:
         self.total, self.n, self.every = total, initial, every
@@ -219,7 +220,7 @@ class ProgressLines:
             left = (self.total - self.n) / rate if rate > 0 else 0.0
             minutes, seconds = divmod(int(left), 60)
             print(f"step {self.n}/{self.total} ({100 * self.n / max(1, self.total):.0f}%) {rate:.3g} steps/s, "
-                  f"{minutes}m {seconds:02d}s left  {self.postfix}".rstrip(), flush=True)
+                  f"{minutes}m {seconds:02d}s left  {self.postfix}".rstrip(), file=sys.stderr, flush=True)
 
     def set_postfix(self, **values: Any) -> None:
         self.postfix = " ".join(f"{k}={v}" for k, v in values.items())
@@ -797,7 +798,7 @@ class Trainer:
 
     def progress_bar(self) -> tqdm | ProgressLines:
         """Steps over the whole run on rank 0 (log.progress), starting where a resumed run left off: a tqdm bar
-        on a terminal; in a log file (stderr not a terminal: Slurm, nohup, CI) a plain line every
+        on a terminal; in a log file (stderr not a terminal: Slurm, nohup, CI) a plain line on stderr every
         log.every_steps steps instead of a bar redrawn into the file."""
         steps = [self.steps_per_epoch(self.schedule.phase(e)) for e in range(self.train_cfg.epochs)]
         total = sum(steps)
