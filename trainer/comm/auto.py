@@ -28,7 +28,7 @@ Rank 0 then decides and broadcasts, in one call: when the largest bucket's measu
 the predicted one by more than `hysteresis`, the model's link scale follows it and the plan is re-decided,
 and a new plan is adopted only if it is predicted `hysteresis` faster than the current one. Never slower than
 dense: when a plan that is not all dense measures (median over the window) more than `hysteresis` slower
-than the last measured all-dense step (moved by what the link change costs dense in the model), every bucket
+than the last measured all-dense step (raised by what slower links cost dense in the model), every bucket
 goes back to dense for `HOLD_CHECKS` checks.
 
 Switching a bucket keeps error feedback exact: a residual kept for one layout (topk: this rank's whole
@@ -120,7 +120,8 @@ class AutoCommunicator(TopKCommunicator):
     def __init__(self, cfg: CommConfig, model: nn.Module, topo: Topology) -> None:
         super().__init__(cfg, model, topo, intra=topo.intra_node, inter=topo.inter_node)
         self.cfg = cfg
-        self.wire16 = WIRE_DTYPES[cfg.compression] or torch.float16
+        # bf16 unless the config names a 16-bit wire: fp16's range needs a loss scaler behind it
+        self.wire16 = WIRE_DTYPES[cfg.compression] or torch.bfloat16
         self.net_layout = Layout(topo.num_nodes, topo.ranks_per_node)
         self.calibration_steps = max(cfg.calibration_steps, cfg.dense_warmup_steps)
         self.plan: list[Choice] = [DENSE] * len(self.buckets)
@@ -195,11 +196,11 @@ class AutoCommunicator(TopKCommunicator):
     def exchange(self, bucket: Bucket) -> torch.Tensor:
         start = self._mark() if self._measuring_step else None  # on the exchange stream
         choice = self.plan[bucket.index]
-        self._fold_residual(bucket, choice.kind)
+        folded = self._fold_residual(bucket, choice.kind)
         if choice.kind == "dense":
             out = self.dense_exchange(bucket)
-        elif choice.kind == "dense16":
-            out = self.dense_exchange(bucket, self.wire16)
+        elif choice.kind == "dense16":  # a folded residual is sent exactly: fp32 this once
+            out = self.dense_exchange(bucket, None if folded else self.wire16)
         elif choice.kind == "topk" or self.intra is None or self.inter is None:
             out = self.sparse_exchange(bucket, None, self.topo.world, choice.density)
             self._residual_kind[bucket.index] = "topk"
@@ -215,14 +216,14 @@ class AutoCommunicator(TopKCommunicator):
             self._chain[bucket.index] = (start, self._mark())
         return out
 
-    def _fold_residual(self, bucket: Bucket, kind: str) -> None:
+    def _fold_residual(self, bucket: Bucket, kind: str) -> bool:
         """Before an exchange of another kind than the residual's: add the residual into this rank's gradient
-        (at this step's loss scale) and drop it."""
+        (at this step's loss scale) and drop it. Whether it did."""
         index = bucket.index
         old = self._residual_kind.get(index)
         residual = self.residuals.get(index)
         if residual is None or old == kind:
-            return
+            return False
         flat = bucket.buffer
         lo = 0
         if old == "hitopk":
@@ -233,6 +234,7 @@ class AutoCommunicator(TopKCommunicator):
         self._folded.append((index, residual, old))
         del self.residuals[index], self._residual_kind[index]
         self._spare.pop(index, None)
+        return True
 
     def begin_step(self) -> None:
         super().begin_step()
@@ -253,9 +255,20 @@ class AutoCommunicator(TopKCommunicator):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self._residual_kind = {int(i): KINDS[int(c)] for i, c in state.get("residual_kinds", {}).items()}
-        for i in self.residuals:  # a state from a topk/hitopk communicator
-            self._residual_kind.setdefault(i, "topk" if self.intra is None else "hitopk")
+        for i, residual in self.residuals.items():  # a state from a topk/hitopk communicator: from its size
+            if i not in self._residual_kind:
+                self._residual_kind[i] = self._layout_of_residual(i, residual.numel())
         self._folded = []
+
+    def _layout_of_residual(self, index: int, size: int) -> str:
+        """"topk" for a residual of the whole bucket, "hitopk" for one of this rank's 1/L shard."""
+        n = self.buckets[index].numel
+        if size == n:
+            return "topk"
+        if size == math.ceil(n / self.local_size):
+            return "hitopk"
+        raise ValueError(f"comm state: the residual of bucket {index} has {size} elements, neither the bucket's "
+                         f"{n} (topk) nor its 1/{self.local_size} shard (hitopk): saved with other buckets")
 
     # ------------------------------------------------------------ measuring and deciding
 
@@ -345,6 +358,7 @@ class AutoCommunicator(TopKCommunicator):
         self.ready_before_end = ready
         self.calibration = {"nodes": float(self.net_layout.nodes), "ranks_per_node": float(self.net_layout.per_node),
                             "min_density": self.cfg.min_density, "dense_below": float(self.dense_below),
+                            **{f"density/{i}": d for i, d in enumerate(self.cfg.densities)},
                             "local_competes": float(self.local_competes), "dense_span_s": span,
                             "dense_exposed_s": exposed, "net_scale": self.net.net_scale,
                             "select_per_element_s": self.net.selection.per_element_s,
@@ -428,12 +442,13 @@ class AutoCommunicator(TopKCommunicator):
         all_dense = [DENSE] * len(sizes)
         if all(c == DENSE for c in self.plan):
             dense_cost = cost  # the baseline follows the measurements
-        else:  # the last measured all-dense cost, moved by what the links' change costs dense in the model
+        else:  # the last measured all-dense cost, raised by what slower links cost dense in the model (never
+            # lowered by it: a scale fitted to sparse chains says little about how fast dense would be)
             before, _ = predict(sizes, self.ready_before_end, all_dense, self.net, self.local_competes)
             self.net.net_scale, old = scale, self.net.net_scale
             after, _ = predict(sizes, self.ready_before_end, all_dense, self.net, self.local_competes)
             self.net.net_scale = old
-            dense_cost = max(self.dense_cost_s + after - before, 0.0)
+            dense_cost = self.dense_cost_s + max(after - before, 0.0)
         out = {"net_scale": scale, "plan": None, "message": "", "dense_cost_s": dense_cost,
                "dense_hold": max(self.dense_hold - 1, 0)}
         if not all(c == DENSE for c in self.plan) and cost > (1 + h) * dense_cost:

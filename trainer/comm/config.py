@@ -23,7 +23,7 @@ class CommConfig:
     bucket_mb: float = 25.0
     """Gradient bucket size in MB of fp32 gradients; each bucket is launched as soon as it is ready."""
     compression: Compression = "none"
-    """Wire dtype of the dense allreduce (kind dense; kind auto: the 16-bit dtype it may choose, fp16 when
+    """Wire dtype of the dense allreduce (kind dense; kind auto: the 16-bit dtype it may choose, bf16 when
     none); the average is accumulated back in fp32."""
     density: float = 0.01
     """topk/hitopk: fraction of each bucket (of each rank's 1/L shard for hitopk) sent per step."""
