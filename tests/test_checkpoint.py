@@ -380,3 +380,19 @@ def test_prune_keeps_the_newest_complete_checkpoints_not_a_torn_one(tmp_path):
     (tmp_path / step_dir_name(4)).mkdir()  # an attempt stopped before its manifest
     prune(tmp_path, keep=2)
     assert [d.name for d in sorted(tmp_path.iterdir())] == [step_dir_name(1), step_dir_name(2)]
+
+
+def test_a_checkpoint_reads_the_communicators_state_once(tmp_path):
+    trainer = one_process_trainer(tmp_path, buckets=[3])
+    trainer.comm.residuals = {0: torch.tensor([1.0, 2.0, 3.0])}
+    calls = []
+    state_dict = trainer.comm.state_dict
+    trainer.comm.state_dict = lambda: calls.append(1) or state_dict()  # type: ignore[method-assign]
+    for background in (False, True):
+        trainer.checkpoint(background=background)
+        trainer.wait_for_checkpoints()
+        trainer.step += 1
+    assert len(calls) == 2  # once per checkpoint on rank 0: the rank file and the shared state share the copy
+    state, _ = latest_checkpoint(tmp_path)
+    assert torch.equal(state["ranks"][0]["comm"]["residuals"][0], torch.tensor([1.0, 2.0, 3.0]))
+    assert state["comm_per_rank"] == ["residuals"] and state["comm_shared"] == {"steps": 0}

@@ -344,12 +344,14 @@ class CheckpointWriter:
         prune(self.folder, self.keep)
         return ckpt_dir
 
-    def write_in_background(self, step: int, files: dict[str, Any], token: str) -> None:
-        """Snapshot `files` into host memory now and write them (and, on rank 0, the manifest once every rank's
-        record is there) on a background thread. One write at a time: this first waits for the previous one
-        and raises its CheckpointWriteError, if it failed."""
+    def write_in_background(self, step: int, files: dict[str, Any], token: str,
+                            copied: tuple[str, ...] = ()) -> None:
+        """Snapshot `files` into host memory now (but those named in `copied`: the caller made them of copies
+        in host memory already) and write them (and, on rank 0, the manifest once every rank's record is there)
+        on a background thread. One write at a time: this first waits for the previous one and raises its
+        CheckpointWriteError, if it failed."""
         self.wait()
-        snapshot = to_host(files)
+        snapshot = {name: obj if name in copied else to_host(obj) for name, obj in files.items()}
         pending: Future = Future()
         # A daemon thread: a process leaving on an error does not wait for a write (rank 0's wait for the other
         # ranks' records can last wait_timeout_s); the files are atomic, so a write cut short leaves no torn one.

@@ -274,11 +274,11 @@ class Trainer:
 
     # ------------------------------------------------------------ state
 
-    def shared_state(self) -> dict:
+    def shared_state(self, comm: dict[str, Any]) -> dict:
         """Rank 0's part of a checkpoint besides the model: what is equal on every rank (the optimizer's state,
         from averaged gradients), the loop's position (also in samples: a resume on another world size
-        continues the data order), and the communicator's plain entries (its tensors are per rank)."""
-        comm = self.comm.state_dict()
+        continues the data order), and the plain entries of the communicator's state `comm` (its tensors are
+        per rank)."""
         phase = self.schedule.phase(min(self.epoch, self.train_cfg.epochs - 1))
         return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
                 "task": self.task.state_dict(),
@@ -294,13 +294,16 @@ class Trainer:
                 "config": self.run_config}
 
     def checkpoint_files(self) -> dict[str, Any]:
-        """This rank's files of a checkpoint: its own state; on rank 0 also the model and the shared state."""
+        """This rank's files of a checkpoint: its own state; on rank 0 also the model and the shared state. The
+        rank file is made of copies already (the communicator's state_dict copies its residuals to host memory,
+        the generators' states are new tensors): a background write need not snapshot it again."""
+        comm = self.comm.state_dict()  # once: the residuals are copied to host memory here, and only here
         files: dict[str, Any] = {rank_file(self.topo.rank): {
-            "rank": self.topo.rank, "world_size": self.topo.world_size, "comm": self.comm.state_dict(),
+            "rank": self.topo.rank, "world_size": self.topo.world_size, "comm": comm,
             "rng": rng_state(self.topo.device)}}
         if self.topo.is_main:
             files[MODEL] = self.model.state_dict()
-            files[SHARED] = self.shared_state()
+            files[SHARED] = self.shared_state(comm)
         return files
 
     def maybe_resume(self) -> str | None:
@@ -461,7 +464,8 @@ class Trainer:
         error, ckpt_dir = "", self.writer.folder / step_dir_name(self.step)
         if background:
             try:  # the snapshot to host memory, here; the write's own failures come from wait_for_checkpoints
-                self.writer.write_in_background(self.step, self.checkpoint_files(), token)
+                self.writer.write_in_background(self.step, self.checkpoint_files(), token,
+                                                copied=(rank_file(self.topo.rank),))
             except Exception as e:  # noqa: BLE001
                 error = describe_error(e)
             self.raise_if_checkpoint_failed(error)
