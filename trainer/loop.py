@@ -125,10 +125,13 @@ class TrainConfig:
     preempt_grace_s: float = 25.0
     """Seconds between SIGTERM/SIGUSR1 and the forced exit: the ranks finish their step, write a checkpoint
     together and exit with status 75 (restartable); a rank still running after this many seconds exits at
-    once with that status, without a checkpoint (keep it below the platform's notice, e.g. 30 s)."""
+    once with that status, without a checkpoint. Keep it below the platform's notice (30 s on GCP spot, the
+    `--signal` time on Slurm) and, when torchrun itself is signalled, below its --shutdown-timeout (30 s by
+    default), after which torchrun SIGKILLs the ranks (scripts/slurm/ pass 100 s and 110 s)."""
     preempt_check_every_steps: int = 1
     """How often the ranks agree whether one of them was signalled: a one-number all-reduce (and a host sync)
-    at every this many step ends."""
+    at every this many step ends. A signal is acted on up to this many steps late: keep that and a
+    checkpoint's write well inside train.preempt_grace_s."""
 
     def __post_init__(self) -> None:
         require(self.epochs > 0, f"train.epochs: must be > 0, got {self.epochs}")
