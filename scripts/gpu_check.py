@@ -15,7 +15,7 @@ bounds it, and a check that cannot start in the time left is a FAIL. A new GPU p
 
 The checks (names for --only): preflight (versions, compute capability against torch's arch list), mstopk
 (Triton MSTopK against torch.topk and the reference at the communicator's sizes, from a worker thread on a
-side stream, host syncs), communicators (dense / topk / hitopk over NCCL on the GPUs present), lars
+side stream, host syncs), communicators (dense / topk / hitopk / auto over NCCL on the GPUs present), lars
 (FusedLARS against its per-tensor reference on ResNet-50's 161 tensors), train-resnet50 and train-transformer
 (the trainer's own step on synthetic data: throughput, memory, host syncs), dali (DALI's mixed decoding).
 """
@@ -468,6 +468,25 @@ def _mass_conserved(comm: Any, model: Any, grads: list, world: int) -> bool | No
     return bool(torch.allclose(_flat(sent) + left, incoming, rtol=1e-4, atol=1e-3))
 
 
+def _auto_steps(model: Any, topo: Any, bucket_mb: float, grads: list) -> dict:
+    """`comm.kind: auto` through calibration (its reductions over ranks on the device, CUDA-event timing) and
+    one drift check (rank 0's broadcast decision): calibrated, finite, the plan and the calibrated links."""
+    import torch
+
+    from trainer.comm import AutoCommunicator, CommConfig
+
+    cfg = CommConfig(kind="auto", bucket_mb=bucket_mb, calibration_steps=3, redecide_every=3)
+    comm = AutoCommunicator(cfg, model, topo)
+    averaged = []
+    for _ in range(cfg.calibration_steps + cfg.redecide_every):
+        averaged = _comm_step(model, comm, grads)
+    comm.detach()
+    world = comm.net.links["world"] if comm.net is not None else None
+    return {"calibrated": comm.calibrated, "finite": bool(torch.isfinite(_flat(averaged)).all()),
+            "plan": sorted({c.label for c in comm.plan}),
+            "link": f"{world.bytes_per_s * 8 / 1e9:.2f} Gbit/s, {world.alpha_s * 1e6:.0f} us" if world else "none"}
+
+
 def _comm_rank(rank: int, world: int, device_type: str) -> dict | None:
     """One rank of the communicator check, in the process group trainer.testing.run_ranks joined (or, on a 1-GPU
     machine, the only rank, in this process). Rank 0 returns the report."""
@@ -530,9 +549,10 @@ def _comm_rank(rank: int, world: int, device_type: str) -> dict | None:
                 delayed_same = all(torch.equal(a, b) for a, b in zip(plain, late))
             out[kind] = {"exact": exact, "conserved": conserved, "finite": finite, "delayed_same": delayed_same,
                          "ms": statistics.median(times) * 1e3, "buckets": len(comm.buckets)}
+        auto = _auto_steps(model, topo, bucket_mb, real)
     if rank != 0:
         return None
-    return {"ok": out, "layout": f"{world // per_node} node(s) x {per_node} rank(s)",
+    return {"ok": out, "auto": auto, "layout": f"{world // per_node} node(s) x {per_node} rank(s)",
             "elements": sum(int(torch.Size(s).numel()) for s in shapes)}
 
 
@@ -566,6 +586,10 @@ def check_communicators(device: Any) -> list[Row]:
                         f"1.0 == dense bitwise {r['exact']}; density 0.01 mass conserved {conserved}; gradients "
                         f"behind a GPU sleep give the same result {delayed}; {r['ms']:.1f} ms/step",
                         {"world": world, "ms": r["ms"]}))
+    auto = report["auto"]
+    rows.append(Row("comm auto", verdict(auto["calibrated"] and auto["finite"]),
+                    f"{backend}: calibrated {auto['calibrated']} (world link {auto['link']}), one drift check, "
+                    f"finite {auto['finite']}, plan {', '.join(auto['plan'])}", {"world": world}))
     if gpu and world < 2:
         rows.append(Row("comm multi-rank", "SKIP",
                         f"needs >= 2 GPUs ({world} present): allreduce, allgather and reduce-scatter between "
