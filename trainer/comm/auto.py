@@ -24,8 +24,9 @@ a bucket whose exchange hides behind backward stays dense. Densities below `comm
 safe bound) are never candidates.
 
 Drift: the last steps (`WINDOW`) before every `redecide_every`-th are timed; the ready times follow them.
-Rank 0 then decides and broadcasts, in one call: when the largest bucket's measured chain time moved from
-the predicted one by more than `hysteresis`, the model's link scale follows it and the plan is re-decided,
+Rank 0 then decides and broadcasts, in one call: when the largest bucket's measured chain time moved by more
+than `hysteresis` from the current plan's first measured window (calibration for all dense), the model's
+link scale follows the ratio and the plan is re-decided,
 and a new plan is adopted only if it is predicted `hysteresis` faster than the current one. Never slower than
 dense: when a plan that is not all dense measures (median over the window) more than `hysteresis` slower
 than the last measured all-dense step (raised by what slower links cost dense in the model), every bucket
@@ -151,6 +152,9 @@ class AutoCommunicator(TopKCommunicator):
         """The measured all-dense step cost (`_step_cost`) the plan must not exceed by more than `hysteresis`."""
         self.dense_hold = 0
         """Drift checks left before a plan reverted to dense may leave it again."""
+        self._reference_chain: list[float] | None = None
+        """Rank 0: the measured chain seconds per bucket drift is judged against (the current plan's first
+        window; None: the next window sets it)."""
         self.sparse_delay_s = 0.0
         """Test hook: seconds of extra delay in every sparse exchange (a plan that measures slower than dense)."""
         self._options = lambda n: candidates(n, self.net_layout, cfg.densities, cfg.min_density, cfg.dense_below)
@@ -283,8 +287,8 @@ class AutoCommunicator(TopKCommunicator):
             if not isinstance(done, float):
                 done.synchronize()
             if self._local_steps > 0:  # the first step pays allocations and connection set-up
-                ready = [self._seconds(self._launched[b.index], end) if b.index in self._launched else 0.0
-                         for b in self.buckets]
+                ready = [max(self._seconds(self._launched[b.index], end), 0.0) if b.index in self._launched
+                         else 0.0 for b in self.buckets]  # launched by finish itself: ready at the end
                 chain = [self._seconds(*self._chain[b.index]) if b.index in self._chain else 0.0
                          for b in self.buckets]
                 first = self._first_launch if self._launched else end
@@ -369,6 +373,7 @@ class AutoCommunicator(TopKCommunicator):
                             **{f"bucket/{i}/ready_before_end_s": r for i, r in enumerate(ready)},
                             **{f"bucket/{i}/dense_s": c for i, c in enumerate(chain)}}
         self._decide(start=None)
+        self._reference_chain = chain if all(c == DENSE for c in self.plan) else None  # measured all dense
         self._rows = []
         if self.topo.is_main:
             print(self.table(chain), flush=True)
@@ -435,9 +440,18 @@ class AutoCommunicator(TopKCommunicator):
         measurements (chain: seconds per bucket; cost: `_step_cost`)."""
         h = self.cfg.hysteresis
         sizes = [b.numel for b in self.buckets]
+        # drift is a change of the measured chains under the same plan (against the plan's first window), not
+        # a gap between model and measurement: a model that fits one plan's chains less well than another's
+        # would otherwise flip between them
+        reference = self._reference_chain
+        if reference is None or len(reference) != len(chain):
+            self._reference_chain, reference = chain, chain
+        # the bucket the model gives the longest chain: a small bucket's time is mostly the wait for its peers
         top = max(range(len(chain)), key=lambda i: self.predicted_chain_s[i])
-        ratio = chain[top] / self.predicted_chain_s[top] if self.predicted_chain_s[top] > 0 else 1.0
+        ratio = chain[top] / reference[top] if reference[top] > 0 else 1.0
         moved = abs(ratio - 1) > h
+        if moved:
+            self._reference_chain = chain
         scale = min(max(self.net.net_scale * ratio, 0.05), 100.0) if moved else self.net.net_scale
         all_dense = [DENSE] * len(sizes)
         if all(c == DENSE for c in self.plan):
@@ -452,6 +466,7 @@ class AutoCommunicator(TopKCommunicator):
         out = {"net_scale": scale, "plan": None, "message": "", "dense_cost_s": dense_cost,
                "dense_hold": max(self.dense_hold - 1, 0)}
         if not all(c == DENSE for c in self.plan) and cost > (1 + h) * dense_cost:
+            self._reference_chain = None
             return {**out, "plan": [(DENSE.kind, DENSE.density)] * len(sizes), "dense_hold": HOLD_CHECKS,
                     "message": f"comm auto: measured {cost * 1e3:.1f} ms against {dense_cost * 1e3:.1f} ms all "
                                "dense; back to dense: "}
@@ -462,6 +477,7 @@ class AutoCommunicator(TopKCommunicator):
         plan, t = choose(sizes, self.ready_before_end, self.net, self._options, self.local_competes)
         self.net.net_scale = old
         if t < (1 - h) * current:
+            self._reference_chain = None  # the new plan's first window is its reference
             return {**out, "plan": [(c.kind, c.density) for c in plan],
                     "message": f"comm auto: link times moved x{ratio:.2f}; new plan: "}
         return out
