@@ -40,7 +40,8 @@ class CommConfig:
     redecide_every: int = 50
     """auto: steps between checks of measured against predicted exchange times (re-decided on drift)."""
     hysteresis: float = 0.1
-    """auto: a new plan must be predicted this fraction faster than the current one (no flapping)."""
+    """auto: the fraction by which measured chain times must move to re-decide, a new plan must be predicted
+    faster, and a plan may measure slower than all dense before it reverts to dense."""
     selection_iters: int = 20
     """topk/hitopk: MSTopK bisection steps (more = closer to the exact top-k, same cost on the CPU path)."""
 
