@@ -389,6 +389,8 @@ class AutoCommunicator(TopKCommunicator):
 
     def set_plan(self, plan: list[Choice]) -> None:
         """Use `plan` from the next step on (every rank must set the same one)."""
+        if list(plan) != self.plan:
+            self._reference_chain = None  # drift is judged against the new plan's own first window
         self.plan = list(plan)
         self.predicted_exposed_s, self.predicted_chain_s = predict(
             [b.numel for b in self.buckets], self.ready_before_end, self.plan, self.net, self.local_competes)
