@@ -35,7 +35,7 @@ def add(tar: tarfile.TarFile, name: str, lines: list[str]) -> None:
 
 
 def sgm(lines: list[str], lang: str, kind: str) -> list[str]:
-    return ([f'<{kind}set setid="newstest" srclang="any" trglang="{lang}">', f'<doc sysid="ref" docid="d1">'] +
+    return ([f'<{kind}set setid="newstest" srclang="any" trglang="{lang}">', '<doc sysid="ref" docid="d1">'] +
             [f'<seg id="{i + 1}">  {line}  </seg>' for i, line in enumerate(lines)] + ["</doc>", f"</{kind}set>"])
 
 
