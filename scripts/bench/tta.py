@@ -59,6 +59,7 @@ import yaml
 
 from scripts.bench import common
 from scripts.bench.common import print_table
+from scripts.tta_baseline import target_reached_at
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDES = ("baseline", "recipe")
@@ -78,14 +79,7 @@ RAM_DIR = "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 # ---------------------------------------------------------------- the statistics
 
-def reached_at(top1: Sequence[float], target: float, consecutive: int) -> int | None:
-    """Index of the evaluation that completes the first run of `consecutive` evaluations at or above `target`."""
-    streak = 0
-    for i, acc in enumerate(top1):
-        streak = streak + 1 if acc >= target else 0
-        if streak >= consecutive:
-            return i
-    return None
+reached_at = target_reached_at  # one rule for the bench's reading and the baseline's own stop
 
 
 def paired_ratio(recipe_s: float | None, baseline_s: float | None) -> float:
