@@ -29,7 +29,8 @@ def test_shipped_configs_load_and_every_field_is_documented():
     assert wmt.optim.name == "adam" and wmt.optim.betas == (0.9, 0.98) and wmt.optim.lr == 1e-3
     assert wmt.schedule.decay == "inverse_sqrt"
     assert wmt.schedule.warmup_start_factor * wmt.optim.lr == pytest.approx(1e-7)  # fairseq's --warmup-init-lr
-    assert wmt.comm.kind == "hitopk" and wmt.data.max_tokens == 3584 and wmt.model.label_smoothing == 0.1
+    assert wmt.comm.kind == "auto" and wmt.comm.min_density == 0.1
+    assert wmt.data.max_tokens == 3584 and wmt.model.label_smoothing == 0.1
     quick = load_config(Config, CONFIG)
     assert quick.train.target_bleu == 60 and quick.dist.ranks_per_node == 1 and quick.comm.kind == "hitopk"
     assert [key for key, _, _, doc in reference(Config) if not doc] == []
