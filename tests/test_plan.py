@@ -1,4 +1,6 @@
-"""The planner's formulas on hand-computed cases, config parsing, the emulated-cluster model, and its errors."""
+"""The planner over the package's cost model: recipe configs (ResNet phases, the Transformer's real model),
+time to target and cost, auto's choice, the emulated-cluster model, a run's own calibration, and its errors.
+The cost formulas themselves are tested in tests/test_cost.py."""
 
 from __future__ import annotations
 
@@ -8,81 +10,21 @@ import math
 import pytest
 
 from scripts import plan
-from scripts.plan import (Exchange, Link, ModelSpec, PlanError, allgather_s, hierarchical_allreduce_s,
-                          overlap_step_s, reduce_scatter_s, ring_allreduce_s)
-
-LINK = Link(alpha_s=1e-3, bytes_per_s=100e6)  # 1 ms per ring step, 100 MB/s
+from scripts.plan import ModelSpec, PlanError, Strategy
+from trainer.comm.cost import DENSE, Choice, Link, allgather_s, describe, exposed_s, ring_allreduce_s
 
 
-# ---------------------------------------------------------------- collectives
-
-
-def test_ring_allreduce_hand_computed():
-    # 4 ranks, 100 MB: 2*3 steps of 1 ms + 2*3/4 * 100 MB / 100 MB/s = 0.006 + 1.5 s
-    assert ring_allreduce_s(100e6, 4, LINK) == pytest.approx(1.506)
-    # 2 ranks: 2 steps + 1x the buffer
-    assert ring_allreduce_s(50e6, 2, LINK) == pytest.approx(0.002 + 0.5)
-    assert ring_allreduce_s(100e6, 1, LINK) == 0.0
-
-
-def test_reduce_scatter_and_allgather_hand_computed():
-    # reduce-scatter of 80 MB over 4 ranks: 3 steps + 3/4 of the buffer
-    assert reduce_scatter_s(80e6, 4, LINK) == pytest.approx(0.003 + 0.6)
-    # allgather of 10 MB payloads over 4 ranks: 3 steps + 3 payloads through each link
-    assert allgather_s(10e6, 4, LINK) == pytest.approx(0.003 + 0.3)
-    # two groups sharing the link carry twice the bytes, same number of steps
-    assert allgather_s(10e6, 4, LINK, sharing=2) == pytest.approx(0.003 + 0.6)
-    assert reduce_scatter_s(80e6, 1, LINK) == 0.0 and allgather_s(10e6, 1, LINK) == 0.0
-
-
-def test_reduce_scatter_plus_allgather_is_an_allreduce():
-    n, p = 64e6, 8
-    assert reduce_scatter_s(n, p, LINK) + allgather_s(n / p, p, LINK) == pytest.approx(ring_allreduce_s(n, p, LINK))
-
-
-def test_hierarchical_allreduce_hand_computed():
-    intra, inter = Link(0.0, 1e9), Link(0.0, 1e8)
-    # 2 nodes x 4 GPUs, 100 MB: intra RS 3/4*0.1 s, inter 2*1/2*1 s, intra AG 3*25 MB / 1 GB/s = 0.075 s
-    assert hierarchical_allreduce_s(100e6, 2, 4, intra, inter) == pytest.approx(0.075 + 1.0 + 0.075)
-    # one node: no inter-node part
-    assert hierarchical_allreduce_s(100e6, 1, 4, intra, inter) == pytest.approx(0.15)
-
-
-def test_overlap_step_hand_computed():
-    # forward 1 s, backward 2 s; two buckets ready at 25% and 100% of backward
-    ready = [0.25, 1.0]
-    assert overlap_step_s(1.0, 2.0, ready, [0.1, 0.1]) == pytest.approx(3.1)  # only the last chain shows
-    # a long first chain: starts at 1.5 s, 3 s long, the second waits for it
-    assert overlap_step_s(1.0, 2.0, ready, [3.0, 0.5]) == pytest.approx(1.5 + 3.0 + 0.5)
-    # exchange work competing with compute, and a write-back tail
-    assert overlap_step_s(1.0, 2.0, ready, [0.1, 0.1], cpu_s=0.4) == pytest.approx(3.4)
-    assert overlap_step_s(1.0, 2.0, ready, [0.1, 0.1], tail_s=0.2) == pytest.approx(3.3)
-
-
-def test_bucket_cost_dense_and_sparse_on_a_gpu_cluster():
-    c = plan.Cluster(2, 4, inter=Link(0.0, 1e8), intra=Link(0.0, 1e9), selection=plan.Selection(0.0, 0.0))
-    n = 10_000_000  # 40 MB of fp32
-    assert plan.bucket_cost(n, Exchange("dense"), c) == pytest.approx(hierarchical_allreduce_s(40e6, 2, 4, c.intra,
-                                                                                                c.inter))
-    assert plan.bucket_cost(n, Exchange("dense fp16"), c) == pytest.approx(
-        hierarchical_allreduce_s(20e6, 2, 4, c.intra, c.inter))
-    # hitopk at 1%: shard 2.5 M, k 25,000 pairs of 8 bytes; the 4 local ranks share the NIC
-    expected = (reduce_scatter_s(40e6, 4, c.intra) + allgather_s(8 * 25_000, 2, c.inter, sharing=4)
-                + allgather_s(10e6, 4, c.intra))
-    assert plan.bucket_cost(n, Exchange("hitopk", 0.01), c) == pytest.approx(expected)
-    # flat topk: 100,000 pairs through one ring of all 8 ranks
-    assert plan.bucket_cost(n, Exchange("topk", 0.01), c) == pytest.approx(allgather_s(800_000, 8, c.inter))
-    # a bucket under dense_below goes dense
-    assert plan.bucket_cost(1000, Exchange("hitopk", 0.01), c) == plan.bucket_cost(1000, Exchange("dense"), c)
-
-
-def test_fit_link_recovers_alpha_and_bandwidth():
-    link = Link(2e-3, 50e6)
-    w = 4
-    points = [[n, ring_allreduce_s(4 * n, w, link), 0.0] for n in (1e5, 1e6, 4e6)]
-    fitted = plan.fit_link(points, 2 * (w - 1), 2 * (w - 1) / w * 4)
-    assert fitted.alpha_s == pytest.approx(2e-3)
-    assert fitted.bytes_per_s == pytest.approx(50e6)
+def test_step_is_compute_plus_the_exposed_exchange():
+    net = plan.gpu_network(2, 4, inter_gbit=1.0, intra_gbyte=100.0, efficiency=1.0)
+    spec = ModelSpec("m", [10_000_000, 10_000_000], [0.5, 1.0])
+    plan_ = [DENSE, DENSE]
+    chain = net.chain_s(describe(10_000_000, DENSE, net.layout))
+    # forward 1 s, backward 2 s: the first bucket is ready 1 s before backward ends, the second at its end
+    assert plan.step_seconds(1.0, 2.0, spec, plan_, net) == pytest.approx(3.0 + exposed_s([1.0, 0.0], [chain, chain]))
+    assert plan.step_seconds(1.0, 2.0, spec, plan_, plan.gpu_network(1, 1, 1.0, 100.0, 1.0)) == 3.0
+    # a pinned kind leaves buckets under dense_below dense
+    assert plan.fixed_plan(Choice("hitopk", 0.01), [100, 20_000], 16384) == [DENSE, Choice("hitopk", 0.01)]
+    assert plan.fixed_plan(Choice("dense16"), [100], 16384) == [Choice("dense16")]
 
 
 # ---------------------------------------------------------------- the emulated cluster
@@ -102,7 +44,8 @@ def _synthetic_run(link: Link, cpu_per_element: float) -> dict:
     compute = {"step_s": 3.0, "fwd_s": 1.0, "bwd_s": 2.0, "cpu_s": 1.5, "fwd_cpu_s": 0.5, "bwd_cpu_s": 1.0}
     return {"nodes": 4, "ranks_per_node": 1, "rate": "1gbit", "primitives": prim,
             "models": {"m": {"buckets": [10_000_000], "bucket_ready": [1.0],
-                             "exchanges": {"compute only": compute, "dense": {"step_s": 3.6, "cpu_s": 1.5}}}}}
+                             "exchanges": {"compute only": compute, "dense": {"step_s": 3.6, "cpu_s": 1.5},
+                                           "dense fp16": {"step_s": 3.3, "cpu_s": 1.5}}}}}
 
 
 def test_emulated_step_hand_computed():
@@ -110,29 +53,31 @@ def test_emulated_step_hand_computed():
     cluster = plan.EmulatedCluster.from_run(run, cores=2)
     spec = ModelSpec("m", [10_000_000], [1.0])
     compute = run["models"]["m"]["exchanges"]["compute only"]
+    dense = [DENSE]
     # dense: 1.5 x 40 MB / 100 MB/s = 0.6 s after backward ends (the only bucket is ready at its end)
-    assert cluster.step_s(compute, spec, Exchange("dense")) == pytest.approx(3.6)
+    assert cluster.step_s(compute, spec, dense) == pytest.approx(3.6)
     # 1e-8 CPU s per element in each piece: a dense bucket costs 0.1 s gathering/writing back and 0.1 s in
     # the allreduce. The compute runs at 2 wall s per CPU s (3 s for 1.5 CPU s), so the write-back after
     # the chain takes 0.2 s: network bound 3.6 + 0.2; the CPU bound, 3 + (4 ranks / 2 cores) x 0.2 = 3.4
     busy = plan.EmulatedCluster.from_run(_synthetic_run(Link(0.0, 1e8), cpu_per_element=1e-8), cores=2)
-    assert busy.step_s(compute, spec, Exchange("dense")) == pytest.approx(3.6 + 0.2)
+    assert busy.step_s(compute, spec, dense) == pytest.approx(3.6 + 0.2)
     # ten times the CPU work: the CPU bound, 3 + 2 x 2.0 = 7.0, beats the network bound, 3.6 + 2.0
     busier = plan.EmulatedCluster.from_run(_synthetic_run(Link(0.0, 1e8), cpu_per_element=1e-7), cores=2)
-    assert busier.step_s(compute, spec, Exchange("dense")) == pytest.approx(7.0)
+    assert busier.step_s(compute, spec, dense) == pytest.approx(7.0)
     # on 4 cores the 4 ranks do not share: 3 + 2.0 = 5.0 < 5.6
     roomy = plan.EmulatedCluster.from_run(_synthetic_run(Link(0.0, 1e8), cpu_per_element=1e-7), cores=4)
-    assert roomy.step_s(compute, spec, Exchange("dense")) == pytest.approx(5.6)
+    assert roomy.step_s(compute, spec, dense) == pytest.approx(5.6)
     # calibrated: the exchange measured at 1.0 CPU s per step instead of the pieces' 0.2: 3 + 2 x 1.0
-    assert busy.step_s(compute, spec, Exchange("dense"), exchange_cpu_s=1.0) == pytest.approx(5.0)
+    assert busy.step_s(compute, spec, dense, exchange_cpu_s=1.0) == pytest.approx(5.0)
 
 
 def test_compare_with_measurements_reports_each_cell():
     cal = {"version": 1, "density": 0.01, "dense_below": 16384, "bucket_mb": 25.0,
            "runs": [_synthetic_run(Link(0.0, 1e8), 0.0)]}
-    rows = plan.compare_with_measurements(cal)
-    assert len(rows) == 1 and rows[0]["exchange"] == "dense"
-    assert rows[0]["error"] == pytest.approx(0.0) and rows[0]["exchange_cpu_s"] == 0.0
+    rows = {r["exchange"]: r for r in plan.compare_with_measurements(cal)}
+    assert set(rows) == {"dense", "dense fp16"}  # the bench's names; "dense fp16" is the cost model's dense16
+    assert rows["dense"]["error"] == pytest.approx(0.0) and rows["dense"]["exchange_cpu_s"] == 0.0
+    assert rows["dense fp16"]["predicted_s"] == pytest.approx(3.3)  # half the bytes of dense on the same link
 
 
 def test_calibration_errors_name_the_file_and_the_fix(tmp_path):
@@ -168,27 +113,26 @@ def test_phases_from_the_dawnbench_config():
 
 def test_predict_run_counts_every_step_and_the_warmup():
     cfg = plan.load_recipe_config("configs/resnet50_dawnbench.yaml", [])
-    c = plan.Cluster(16, 8, inter=Link(50e-6, 25e9 / 8 * 0.95), intra=Link(10e-6, 100e9),
-                     selection=plan.Selection(200e-6, 4.4e-12), price_per_node_hour=10.0)
+    net = plan.gpu_network(16, 8, inter_gbit=25.0, intra_gbyte=100.0, efficiency=0.95)
     spec = ModelSpec("resnet50", [6_500_000, 6_500_000, 6_500_000, 6_057_032])
-    phases = plan.phases_from_config(cfg, c.world)
-    dense = plan.predict_run(phases, spec, Exchange("dense"), c, eval_every=1)
+    phases = plan.phases_from_config(cfg, net.layout.world)
+    dense = plan.predict_run(phases, spec, Strategy(DENSE), net, price=10.0, eval_every=1)
     assert dense.train_s == pytest.approx(sum(p.epochs * p.steps_per_epoch * s
                                               for p, s in zip(phases, dense.step_s)))
     assert dense.cost_usd == pytest.approx(dense.total_s / 3600 * 16 * 10.0)
-    hitopk = plan.predict_run(phases, spec, Exchange("hitopk", 0.01), c, warmup_steps=40)
-    no_warmup = plan.predict_run(phases, spec, Exchange("hitopk", 0.01), c, warmup_steps=0)
+    hitopk = plan.predict_run(phases, spec, Strategy(Choice("hitopk", 0.01)), net, 10.0, warmup_steps=40)
+    no_warmup = plan.predict_run(phases, spec, Strategy(Choice("hitopk", 0.01)), net, 10.0, warmup_steps=0)
     assert hitopk.train_s == pytest.approx(no_warmup.train_s + 40 * (dense.step_s[0] - no_warmup.step_s[0]))
     assert hitopk.total_s < dense.total_s  # 25 Gbit/s between 128 V100s: the sparse exchange wins
 
 
 def test_recommend_prefers_the_densest_within_slack():
     def pred(kind, density, total):
-        return plan.Prediction(Exchange(kind, density), [], total, 0.0, 0.0)
+        return plan.Prediction(Strategy(Choice(kind, density) if kind != "auto" else None), [], total, 0.0, 0.0)
 
-    preds = [pred("dense", 0.01, 200.0), pred("hitopk", 0.001, 100.0), pred("hitopk", 0.01, 102.0),
-             pred("hitopk", 0.05, 110.0)]
-    assert plan.recommend(preds).exchange == Exchange("hitopk", 0.01)
+    preds = [pred("dense", 1.0, 200.0), pred("hitopk", 0.001, 100.0), pred("hitopk", 0.01, 102.0),
+             pred("hitopk", 0.05, 110.0), pred("auto", 1.0, 90.0)]
+    assert plan.recommend(preds).strategy == Strategy(Choice("hitopk", 0.01))  # a fixed kind: auto is shown apart
 
 
 # ---------------------------------------------------------------- bad input
@@ -224,6 +168,9 @@ def test_plan_prints_the_paper_setting_next_to_the_published_times(capsys):
     assert "2:31" in text and "2:38" in text and "Recommendation:" in text
     assert out["recommended"].startswith("hitopk ")  # 25 Gbit/s between 128 V100s: the hierarchical exchange wins
     assert math.isfinite(out["recommended_s"]) and out["recommended_s"] < out["dense_s"]
+    # auto's choice per phase among the config's densities (0.01 only), no slower than all dense
+    assert out["auto_s"] < out["dense_s"] and "comm.kind auto would choose" in text
+    assert {c for phase in out["auto_plan"] for c in phase} <= {"dense", "dense16", "topk 0.01", "hitopk 0.01"}
 
 
 def _auto_run(folder, link_bytes_per_s: float, densities: tuple[float, ...] = ()) -> None:
@@ -269,6 +216,42 @@ def test_from_run_without_a_calibration_is_a_clear_error(tmp_path, capsys):
     assert "no comm/calib" in capsys.readouterr().err
 
 
-def test_transformer_model_spec_builds_without_the_bench():
-    spec = plan.model_spec("transformer", 25.0)
-    assert spec.params > 40_000_000 and len(spec.buckets) > 1
+def test_from_run_on_one_node_refuses_to_extrapolate(tmp_path, capsys):
+    _auto_run(tmp_path / "run", 1e9 / 8)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().replace('"comm/calib/nodes": 2.0', '"comm/calib/nodes": 1.0'))
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--from-run", str(tmp_path / "run")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "no inter-node link was measured" in err and ">= 2 nodes" in err and len(err.strip().splitlines()) == 1
+
+
+def test_transformer_config_plans_the_configs_own_model(capsys):
+    out = plan.main(["--calibration", "", "--config", "configs/transformer_wmt16_en_de.yaml"])
+    text = capsys.readouterr().out
+    # Transformer-big of the config (d 1024, ffn 4096, 6+6 layers, shared 32k vocabulary), counted by hand:
+    # embedding V d; encoder layer 4d^2+4d (attention) + 2df+f+d (feed-forward) + 4d (2 norms); decoder layer
+    # twice the attention and 3 norms; the two final norms
+    d, f, v = 1024, 4096, 32000
+    params = v * d + 6 * (4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d) \
+        + 6 * (8 * d * d + 8 * d + 2 * d * f + f + d + 6 * d) + 4 * d
+    assert f"{params:,} parameters" in text
+    steps = {s["exchange"]: s for s in out["steps"]}
+    assert set(steps) == {"dense", "dense16", "topk 0.1", "hitopk 0.1", "auto"}  # never below min_density 0.1
+    assert all(c in ("dense", "dense16", "topk 0.1", "hitopk 0.1") for c in steps["auto"]["plan"])
+    assert out["recommended"] == min(list(steps)[:-1], key=lambda k: steps[k]["step_ms"])
+
+
+def test_model_transformer_uses_the_transformer_recipe():
+    out = plan.main(["--calibration", "", "--model", "transformer", "--step-ms", "100"])
+    assert out["compute_ms"] == 100.0 and out["steps"][0]["step_ms"] > 100.0
+    base = plan.main(["--calibration", "", "--model", "transformer", "model.d_model=512", "model.heads=8",
+                      "model.ffn_dim=2048"])
+    assert len(base["steps"][0]["plan"]) < len(out["steps"][0]["plan"])  # fewer 25 MB buckets
+
+
+def test_model_of_the_other_recipe_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        plan.main(["--calibration", "", "--model", "transformer", "--config", "configs/resnet50_dawnbench.yaml"])
+    assert "is a ResNet recipe config" in capsys.readouterr().err

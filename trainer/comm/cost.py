@@ -11,8 +11,8 @@ The communicators count their bytes from this description (`sent_bytes`), the `a
 it with the links it measured, and `scripts/plan.py` times it with a cluster's links.
 
 Collective times are alpha-beta: ring steps x latency + the bytes through the busiest link / its bandwidth.
-A step: backward releases bucket b at `ready[b]`; bucket chains run one after another, each from the
-moment its bucket is ready (`overlap_step_s`).
+A step is its compute plus the exposed exchange (`exposed_s`): bucket chains run one after another, each
+from the moment backward has produced its bucket, and the optimizer waits for the last one.
 """
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ def describe(n: int, choice: Choice, layout: Layout) -> Exchange:
 
 
 def sent_bytes(c: Collective, layout: Layout) -> tuple[float, float]:
-    """Bytes one rank sends in collective `c` (ring algorithms): all links, and the inter-node share."""
+    """Bytes one rank sends in collective `c` (ring algorithms): all links, and its share of the node-crossing
+    hops (a ring over all ranks, node-major, crosses nodes on N of its W hops: the average over ranks)."""
     p = layout.group_size(c.group)
     if p <= 1:
         return 0.0, 0.0
@@ -137,9 +138,9 @@ def sent_bytes(c: Collective, layout: Layout) -> tuple[float, float]:
         sent = (p - 1) * c.nbytes
     if c.group == "intra":
         return sent, 0.0
-    if c.group == "inter" or c.op == "allgather":
+    if c.group == "inter":
         return sent, sent
-    # a node-major ring over all ranks: N of its W hops cross nodes
+    # a node-major ring over all ranks (allreduce or allgather): N of its W hops cross nodes
     return sent, (sent * layout.nodes / layout.world if layout.nodes > 1 else 0.0)
 
 
@@ -255,20 +256,6 @@ class Network:
     def chain_s(self, ex: Exchange) -> float:
         """Seconds of one bucket's chain: its collectives and its local work, one after the other."""
         return self.network_s(ex) + self.local_s(ex)
-
-
-def overlap_step_s(forward_s: float, backward_s: float, ready: Sequence[float], chain_s: Sequence[float],
-                   cpu_s: float = 0.0, tail_s: float = 0.0) -> float:
-    """A step with the exchange overlapped with backward.
-
-    Bucket b's chain (chain_s[b] seconds) starts when backward has produced it (at forward_s + ready[b] x
-    backward_s) and after the chain of bucket b-1; the step ends when both the compute (plus `cpu_s` of
-    exchange work that competes with it for the same processor) and the last chain (plus `tail_s`, the
-    write-back after it) are done."""
-    end = 0.0
-    for seconds, at in zip(chain_s, ready):
-        end = max(end, forward_s + backward_s * at) + seconds
-    return max(forward_s + backward_s + cpu_s, end + tail_s)
 
 
 def exposed_s(ready_before_end: Sequence[float], chain_s: Sequence[float], cpu_s: float = 0.0) -> float:

@@ -1,0 +1,113 @@
+"""The cost model's formulas (trainer/comm/cost.py) on hand-computed cases: collective times, the exchanges'
+collectives, the bytes they send (the communicators' byte metrics), the exposed time and the link fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.comm.cost import (Choice, Collective, Layout, Link, Network, Selection, allgather_s, describe,
+                               exchange_bytes, exposed_s, fit_link, hierarchical_allreduce_s, k_of, reduce_scatter_s,
+                               ring_allreduce_s, sent_bytes)
+
+LINK = Link(alpha_s=1e-3, bytes_per_s=100e6)  # 1 ms per ring step, 100 MB/s
+
+
+def test_ring_allreduce_hand_computed():
+    # 4 ranks, 100 MB: 2*3 steps of 1 ms + 2*3/4 * 100 MB / 100 MB/s = 0.006 + 1.5 s
+    assert ring_allreduce_s(100e6, 4, LINK) == pytest.approx(1.506)
+    # 2 ranks: 2 steps + 1x the buffer
+    assert ring_allreduce_s(50e6, 2, LINK) == pytest.approx(0.002 + 0.5)
+    assert ring_allreduce_s(100e6, 1, LINK) == 0.0
+
+
+def test_reduce_scatter_and_allgather_hand_computed():
+    # reduce-scatter of 80 MB over 4 ranks: 3 steps + 3/4 of the buffer
+    assert reduce_scatter_s(80e6, 4, LINK) == pytest.approx(0.003 + 0.6)
+    # allgather of 10 MB payloads over 4 ranks: 3 steps + 3 payloads through each link
+    assert allgather_s(10e6, 4, LINK) == pytest.approx(0.003 + 0.3)
+    # two groups sharing the link carry twice the bytes, same number of steps
+    assert allgather_s(10e6, 4, LINK, sharing=2) == pytest.approx(0.003 + 0.6)
+    assert reduce_scatter_s(80e6, 1, LINK) == 0.0 and allgather_s(10e6, 1, LINK) == 0.0
+
+
+def test_reduce_scatter_plus_allgather_is_an_allreduce():
+    n, p = 64e6, 8
+    assert reduce_scatter_s(n, p, LINK) + allgather_s(n / p, p, LINK) == pytest.approx(ring_allreduce_s(n, p, LINK))
+
+
+def test_hierarchical_allreduce_hand_computed():
+    intra, inter = Link(0.0, 1e9), Link(0.0, 1e8)
+    # 2 nodes x 4 GPUs, 100 MB: intra RS 3/4*0.1 s, inter 2*1/2*1 s, intra AG 3*25 MB / 1 GB/s = 0.075 s
+    assert hierarchical_allreduce_s(100e6, 2, 4, intra, inter) == pytest.approx(0.075 + 1.0 + 0.075)
+    # one node: no inter-node part
+    assert hierarchical_allreduce_s(100e6, 1, 4, intra, inter) == pytest.approx(0.15)
+
+
+def test_describe_lists_each_exchanges_collectives():
+    lay = Layout(2, 4)
+    n = 10_000_001  # not a multiple of 4: the shard rounds up, k rounds up
+    assert describe(n, Choice("dense"), lay).collectives == (Collective("allreduce", 4 * n, "world"),)
+    assert describe(n, Choice("dense16"), lay).collectives == (Collective("allreduce", 2 * n, "world", 2),)
+    topk = describe(n, Choice("topk", 0.01), lay)
+    assert topk.k == 100_001 and topk.select_elements == n
+    assert topk.collectives == (Collective("allgather", 8 * 100_001, "world"),)
+    hi = describe(n, Choice("hitopk", 0.01), lay)
+    shard = 2_500_001
+    assert hi.select_elements == shard and hi.k == k_of(shard, 0.01) == 25_001
+    assert hi.collectives == (Collective("reduce_scatter", 4 * shard * 4, "intra"),
+                              Collective("allgather", 8 * 25_001, "inter"), Collective("allgather", 4 * shard, "intra"))
+    assert describe(n, Choice("hitopk", 0.01), Layout(4, 1)) == describe(n, Choice("topk", 0.01), Layout(4, 1))
+    assert describe(n, Choice("topk", 0.01), Layout(1, 1)).collectives == ()
+
+
+def test_sent_bytes_count_the_node_crossing_hops_of_a_node_major_ring():
+    two_by_two, four_by_one, one_node = Layout(2, 2), Layout(4, 1), Layout(1, 4)
+    # allreduce of 400 bytes over 4 ranks: 2*3/4 of the buffer; 2 of the ring's 4 hops cross nodes
+    assert sent_bytes(Collective("allreduce", 400, "world"), two_by_two) == pytest.approx((600, 300))
+    # allgather of 80-byte payloads over 4 ranks: 3 payloads; the same ring, half of them between nodes
+    assert sent_bytes(Collective("allgather", 80, "world"), two_by_two) == pytest.approx((240, 120))
+    # every hop crosses nodes on 1-rank nodes; none on one node
+    assert sent_bytes(Collective("allgather", 80, "world"), four_by_one) == pytest.approx((240, 240))
+    assert sent_bytes(Collective("allgather", 80, "world"), one_node) == pytest.approx((240, 0))
+    # among the nodes' ranks of one local rank: all inter-node; inside a node: none
+    assert sent_bytes(Collective("allgather", 80, "inter"), two_by_two) == pytest.approx((80, 80))
+    assert sent_bytes(Collective("reduce_scatter", 400, "intra"), two_by_two) == pytest.approx((200, 0))
+    # hitopk of 1000 elements at 1% on 2x2: shard 500, k 5; RS of 4000 B sends half, the inter-node AG one
+    # 40-byte payload, the intra-node AG one 2000-byte shard
+    assert exchange_bytes(describe(1000, Choice("hitopk", 0.01), two_by_two), two_by_two) == pytest.approx(
+        (2000 + 40 + 2000, 40))
+
+
+def test_network_times_a_hitopk_chain_on_a_gpu_cluster():
+    lay = Layout(2, 4)
+    intra, inter = Link(0.0, 1e9), Link(0.0, 1e8)
+    net = Network(lay, {"world": inter, "inter": inter, "intra": intra}, Selection(1e-3, 1e-9),
+                  dense_algorithm="hierarchical")
+    n = 10_000_000  # 40 MB of fp32
+    assert net.chain_s(describe(n, Choice("dense"), lay)) == pytest.approx(
+        hierarchical_allreduce_s(40e6, 2, 4, intra, inter))
+    # hitopk at 1%: shard 2.5 M, k 25,000 pairs of 8 bytes; the 4 local ranks share the NIC; selection on the shard
+    expected = (reduce_scatter_s(40e6, 4, intra) + allgather_s(8 * 25_000, 2, inter, sharing=4)
+                + allgather_s(10e6, 4, intra) + 1e-3 + 1e-9 * 2_500_000)
+    assert net.chain_s(describe(n, Choice("hitopk", 0.01), lay)) == pytest.approx(expected)
+    # flat topk: 100,000 pairs through one ring of all 8 ranks
+    assert net.network_s(describe(n, Choice("topk", 0.01), lay)) == pytest.approx(allgather_s(800_000, 8, inter))
+
+
+def test_exposed_time_hand_computed():
+    # backward 2 s; two buckets ready 1.5 s and 0 s before its end
+    ready = [1.5, 0.0]
+    assert exposed_s(ready, [0.1, 0.1]) == pytest.approx(0.1)  # only the last chain shows
+    # a long first chain: from 1.5 s before the end, 3 s long; the second waits for it
+    assert exposed_s(ready, [3.0, 0.5]) == pytest.approx(1.5 + 0.5)
+    # local work competing with backward bounds it from below; a chain hidden entirely shows nothing
+    assert exposed_s(ready, [0.1, 0.1], cpu_s=0.4) == pytest.approx(0.4)
+    assert exposed_s([1.5], [0.5]) == 0.0
+
+
+def test_fit_link_recovers_alpha_and_bandwidth():
+    link, w = Link(2e-3, 50e6), 4
+    points = [(4 * n, ring_allreduce_s(4 * n, w, link)) for n in (1e5, 1e6, 4e6)]
+    fitted = fit_link(points, 2 * (w - 1), 2 * (w - 1) / w)
+    assert fitted.alpha_s == pytest.approx(2e-3)
+    assert fitted.bytes_per_s == pytest.approx(50e6)
