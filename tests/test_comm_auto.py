@@ -177,9 +177,8 @@ def _run_steps(comm: AutoCommunicator, model: Params, rank: int, steps: int) -> 
         comm.finish()
 
 
-def _live_link_change(rank: int, world: int) -> list[list[str]]:
-    """The plan after calibration on a fast link, after a window with nothing changed, after the link slowed
-    down, and after two more windows on the slow link."""
+def _live_link_change(rank: int, world: int, delays_s_per_mb: list[float]) -> list[list[str]]:
+    """The plan after calibration, then after each window, with the link's delay per MB set per window."""
     topo = setup_distributed(DistConfig(ranks_per_node=1))
     cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3,
                      redecide_every=3, densities=[0.01], min_density=0.01)
@@ -187,24 +186,28 @@ def _live_link_change(rank: int, world: int) -> list[list[str]]:
     comm = build_communicator(cfg, model, topo)
     comm.sparse_delay_s = SELECTION_S
     plans = []
-    for delay_s_per_mb in (0.0, 0.0, 0.3, 0.3, 0.3):
+    for delay_s_per_mb in delays_s_per_mb:
         comm.inter_delay_s_per_mb = delay_s_per_mb
         _run_steps(comm, model, rank, cfg.calibration_steps if not plans else cfg.redecide_every)
         plans.append([c.kind for c in reversed(comm.plan)])
     return plans
 
 
-@pytest.mark.xfail(strict=False, reason="known flaw: the never-slower-than-dense guard compares a sparse plan's "
-                   "measured time with an all-dense time measured before the link slowed down (raised only by the "
-                   "model), so on a quiet box it can revert the correct sparse plan; the guard needs a fresh dense "
-                   "measurement after a link change")
 def test_a_link_that_slows_down_on_a_live_run_is_re_decided_once(tmp_path):
-    plans = run_ranks(_live_link_change, 4, tmp_path, timeout=300)
+    plans = run_ranks(_live_link_change, 4, tmp_path, [0.0, 0.0, 0.3, 0.3, 0.3], timeout=300)
     assert all(p == plans[0] for p in plans), plans
     calibrated, unchanged, slowed, *later = plans[0]
     assert calibrated[0].startswith("dense") and unchanged == calibrated  # nothing changed: no re-decision
     assert slowed[0] == "topk"  # the link slowed down: re-decided
     assert all(p == slowed for p in later), plans[0]  # and no flapping back
+
+
+def test_a_link_change_under_a_sparse_plan_measures_dense_again_before_deciding(tmp_path):
+    # the guard against being slower than dense needs what dense costs on today's link, not before it slowed
+    plans = run_ranks(_live_link_change, 4, tmp_path, [0.3, 0.3, 1.0, 1.0, 1.0, 1.0], timeout=300)
+    assert all(p == plans[0] for p in plans), plans
+    kinds = [p[0] for p in plans[0]]
+    assert kinds == ["topk", "topk", "dense", "topk", "topk", "topk"], plans[0]
 
 
 def _slow_sparse_reverts(rank: int, world: int) -> list[list[str]]:

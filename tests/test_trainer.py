@@ -70,12 +70,17 @@ def _recipe_rank(rank: int, world: int, argv: list[str]) -> None:
 def test_two_rank_recipe_run_writes_all_outputs(tmp_path, digits_root):
     out = tmp_path / "run"
     argv = ["--config", "configs/quickstart_cpu.yaml", f"data.root={digits_root}", f"log.dir={out}", "train.epochs=2",
-            phases(2), "train.max_steps_per_epoch=3", *TINY]
+            phases(2), "train.max_steps_per_epoch=3", *TINY, "comm.kind=auto", "comm.calibration_steps=3"]
     run_ranks(_recipe_rank, 2, tmp_path, argv)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in records if r["kind"] == "epoch"]
     assert [r["epoch"] for r in epochs] == [0, 1] and all(r["eval/images"] == 360 for r in epochs)
-    assert {"loss/train", "schedule/lr", "time/images_per_s", "comm/bytes_sent"} <= set(records[0])
+    steps = [r for r in records if r["kind"] == "step"]
+    assert {"loss/train", "schedule/lr", "time/images_per_s", "comm/bytes_sent", "comm/choice/0"} <= set(steps[0])
+    # the auto communicator's calibration is logged once, at the step that measured it, not with every step
+    calibrations = [r for r in records if any(k.startswith("comm/calib/") for k in r)]
+    assert [(r["kind"], r["step"]) for r in calibrations] == [("comm", 3)]
+    assert calibrations[0]["comm/calib/bucket/0/elements"] > 0
     tsv = (out / "dawnbench.tsv").read_text().splitlines()
     assert tsv[0] == "epoch\thours\ttop1Accuracy\ttop5Accuracy" and len(tsv) == 3
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))

@@ -602,6 +602,9 @@ class Trainer:
             loss, units = self.task.loss(batch)
         self.backward(loss)
         comm_stats = self.comm.finish()
+        once = self.comm.pop_records()
+        if once:  # e.g. the auto communicator's calibration, read back by `scripts/plan.py --from-run`
+            self.metrics.log("comm", self.step + 1, {f"comm/{k}": v for k, v in once.items()})
         self.optimizer_step(loss)
         self.optimizer.zero_grad(set_to_none=True)
         self.guard.maybe_check(self.model, self.step + 1)

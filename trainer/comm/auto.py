@@ -24,13 +24,14 @@ a bucket whose exchange hides behind backward stays dense. Densities below `comm
 safe bound) are never candidates.
 
 Drift: the last steps (`WINDOW`) before every `redecide_every`-th are timed; the ready times follow them.
-Rank 0 then decides and broadcasts, in one call: when the largest bucket's measured chain time moved by more
-than `hysteresis` from the current plan's first measured window (calibration for all dense), the model's
-link scale follows the ratio and the plan is re-decided,
-and a new plan is adopted only if it is predicted `hysteresis` faster than the current one. Never slower than
-dense: when a plan that is not all dense measures (median over the window) more than `hysteresis` slower
-than the last measured all-dense step (raised by what slower links cost dense in the model), every bucket
-goes back to dense for `HOLD_CHECKS` checks.
+Rank 0 then decides and broadcasts, in one call. The links have moved when the largest bucket's measured
+chain time moved by more than `hysteresis` from the current plan's first measured window. Under an all-dense
+plan the model's link scale follows the ratio and the plan is re-decided; a new plan is adopted only if it
+is predicted `hysteresis` faster. Under a sparse plan the next window runs all dense first, so that the
+decision and the guard below start from what dense costs on the links as they are now.
+Never slower than dense: when a plan that is not all dense measures (median over the window) more than
+`hysteresis` slower than the last measured all-dense window, every bucket goes back to dense for
+`HOLD_CHECKS` checks.
 
 Switching a bucket keeps error feedback exact: a residual kept for one layout (topk: this rank's whole
 bucket; hitopk: this rank's 1/L shard of the node's sum) is added, at the step's loss scale, into this
@@ -133,6 +134,7 @@ class AutoCommunicator(TopKCommunicator):
         self.predicted_exposed_s = 0.0
         self.calibration: dict[str, float] = {}
         """The measurements, for the logs and `scripts/plan.py --from-run`."""
+        self._unlogged: dict[str, float] = {}
         self.inter_delay_s_per_mb = 0.0
         """Test hook: seconds of extra delay per MB this rank sends over inter-node links (a slow link)."""
         self._local_steps = 0
@@ -155,6 +157,8 @@ class AutoCommunicator(TopKCommunicator):
         self._reference_chain: list[float] | None = None
         """Rank 0: the measured chain seconds per bucket drift is judged against (the current plan's first
         window; None: the next window sets it)."""
+        self._remeasure = False
+        """Rank 0: the links moved under a sparse plan; the next window runs all dense to measure it."""
         self.sparse_delay_s = 0.0
         """Test hook: seconds of extra delay in every sparse exchange (a plan that measures slower than dense)."""
         self._options = lambda n: candidates(n, self.net_layout, cfg.densities, cfg.min_density, cfg.dense_below)
@@ -308,8 +312,7 @@ class AutoCommunicator(TopKCommunicator):
     def decision_stats(self, stats: dict[str, float]) -> dict[str, float]:
         """The per-bucket choices and predicted vs measured times, for TensorBoard and the JSONL log."""
         out = {"calibrated": float(self.calibrated), "predicted_exposed_ms": self.predicted_exposed_s * 1e3,
-               "measured_exposed_ms": stats.get("wait_s", 0.0) * 1e3,
-               **{f"calib/{k}": v for k, v in self.calibration.items()}}
+               "measured_exposed_ms": stats.get("wait_s", 0.0) * 1e3}
         for b, choice in zip(self.buckets, self.plan):
             out[f"choice/{b.index}"] = float(CODES[choice.kind])
             out[f"choice_density/{b.index}"] = choice.density
@@ -317,6 +320,11 @@ class AutoCommunicator(TopKCommunicator):
                 out[f"predicted_ms/{b.index}"] = self.predicted_chain_s[b.index] * 1e3
             if self._rows:
                 out[f"measured_ms/{b.index}"] = self._rows[-1][1][b.index] * 1e3
+        return out
+
+    def pop_records(self) -> dict[str, float]:
+        """The calibration (`calib/<key>`), once after it is measured."""
+        out, self._unlogged = self._unlogged, {}
         return out
 
     def _medians(self, rows: list[tuple[list[float], list[float], float, float]]
@@ -372,6 +380,7 @@ class AutoCommunicator(TopKCommunicator):
                             **{f"bucket/{i}/elements": float(n) for i, n in enumerate(sizes)},
                             **{f"bucket/{i}/ready_before_end_s": r for i, r in enumerate(ready)},
                             **{f"bucket/{i}/dense_s": c for i, c in enumerate(chain)}}
+        self._unlogged = {f"calib/{k}": v for k, v in self.calibration.items()}
         self._decide(start=None)
         self._reference_chain = chain if all(c == DENSE for c in self.plan) else None  # measured all dense
         self._rows = []
@@ -454,22 +463,27 @@ class AutoCommunicator(TopKCommunicator):
         moved = abs(ratio - 1) > h
         if moved:
             self._reference_chain = chain
+        dense_now = all(c == DENSE for c in self.plan)
+        if dense_now and self._remeasure:
+            # the all-dense window after the links moved under a sparse plan: the link scale from what dense
+            # measures now against what the model predicted for it, then a decision from there
+            self._remeasure = False
+            ratio = chain[top] / self.predicted_chain_s[top] if self.predicted_chain_s[top] > 0 else 1.0
+            moved = True
         scale = min(max(self.net.net_scale * ratio, 0.05), 100.0) if moved else self.net.net_scale
-        all_dense = [DENSE] * len(sizes)
-        if all(c == DENSE for c in self.plan):
-            dense_cost = cost  # the baseline follows the measurements
-        else:  # the last measured all-dense cost, raised by what slower links cost dense in the model (never
-            # lowered by it: a scale fitted to sparse chains says little about how fast dense would be)
-            before, _ = predict(sizes, self.ready_before_end, all_dense, self.net, self.local_competes)
-            self.net.net_scale, old = scale, self.net.net_scale
-            after, _ = predict(sizes, self.ready_before_end, all_dense, self.net, self.local_competes)
-            self.net.net_scale = old
-            dense_cost = self.dense_cost_s + max(after - before, 0.0)
+        # the guard's baseline is always a measured all-dense step under today's links: it follows the
+        # measurements while the plan is all dense, and a link change under a sparse plan measures it again
+        dense_cost = cost if dense_now else self.dense_cost_s
         out = {"net_scale": scale, "plan": None, "message": "", "dense_cost_s": dense_cost,
                "dense_hold": max(self.dense_hold - 1, 0)}
-        if not all(c == DENSE for c in self.plan) and cost > (1 + h) * dense_cost:
+        to_dense = [(DENSE.kind, DENSE.density)] * len(sizes)
+        if not dense_now and moved:
+            self._remeasure, self._reference_chain = True, None
+            return {**out, "plan": to_dense,
+                    "message": f"comm auto: link times moved x{ratio:.2f}; one window all dense to measure it: "}
+        if not dense_now and cost > (1 + h) * dense_cost:
             self._reference_chain = None
-            return {**out, "plan": [(DENSE.kind, DENSE.density)] * len(sizes), "dense_hold": HOLD_CHECKS,
+            return {**out, "plan": to_dense, "dense_hold": HOLD_CHECKS,
                     "message": f"comm auto: measured {cost * 1e3:.1f} ms against {dense_cost * 1e3:.1f} ms all "
                                "dense; back to dense: "}
         if not moved or out["dense_hold"] > 0:

@@ -100,6 +100,10 @@ class Communicator:
         """Complete this step's exchange and write the averaged gradients back; this step's stats."""
         raise NotImplementedError
 
+    def pop_records(self) -> dict[str, float]:
+        """Values to log once rather than every step (a calibration), cleared by the call."""
+        return {}
+
     # ------------------------------------------------------------ state (error feedback lives here)
 
     def state_dict(self) -> dict:
