@@ -636,7 +636,8 @@ def print_transformer_plan(cfg: Any, args: argparse.Namespace, net: Network, spe
 
 
 def load_run_calibration(run: str | Path) -> dict[str, float]:
-    """The `comm/calib/*` values of the last logged step of RUN/metrics.jsonl (a comm.kind auto run)."""
+    """The `comm/calib/*` values of the last record of RUN/metrics.jsonl that has them (a comm.kind auto run
+    logs its calibration once it is measured)."""
     path = Path(run) / "metrics.jsonl"
     if not path.is_file():
         raise PlanError(f"--from-run {run}: no metrics.jsonl there (a run folder is log.dir/<run name>)")

@@ -185,7 +185,7 @@ def _auto_run(folder, link_bytes_per_s: float, densities: tuple[float, ...] = ()
         calib[f"bucket/{i}/elements"], calib[f"bucket/{i}/ready_before_end_s"] = float(n), ready
     folder.mkdir()
     lines = [{"kind": "step", "step": 1, "loss/train": 1.0},
-             {"kind": "step", "step": 10, **{f"comm/calib/{k}": v for k, v in calib.items()}}]
+             {"kind": "comm", "step": 10, **{f"comm/calib/{k}": v for k, v in calib.items()}}]
     (folder / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n{torn")
 
 
