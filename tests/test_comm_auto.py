@@ -251,6 +251,24 @@ def test_a_bucket_that_hides_behind_backward_stays_dense_and_the_safe_density_bo
     assert math.isfinite(t)
 
 
+def test_many_small_buckets_move_together_when_no_single_move_clears_the_margin():
+    # 50 buckets ready at the end of backward: each one's 16-bit wire saves ~1% of the exposed time, below the
+    # per-move margin, but all of them together halve it
+    lay = Layout(2, 2)
+    link = Link(1e-5, 1e9)
+    net = Network(lay, {"world": link, "world16": link, "intra": Link(1e-6, 1e10)})
+    sizes = [250_000] * 50
+    opts = lambda n: [DENSE, Choice("dense16")]  # noqa: E731
+    plan, t = choose(sizes, [0.0] * 50, net, opts, local_competes=False)
+    assert plan == [Choice("dense16")] * 50, plan
+    _, all_dense = choose(sizes, [0.0] * 50, net, lambda n: [DENSE], local_competes=False)
+    assert t < 0.6 * all_dense
+    # with nothing to gain the uniform starts do not win: ties stay dense
+    same = Network(lay, {"world": link, "world16": Link(1e-5, 0.5e9), "intra": Link(1e-6, 1e10)})
+    plan, _ = choose(sizes, [0.0] * 50, same, opts, local_competes=False)
+    assert plan == [DENSE] * 50
+
+
 def test_link_fit_recovers_latency_and_bandwidth_and_survives_noise():
     from trainer.comm.cost import fit_link, ring_allreduce_s
 

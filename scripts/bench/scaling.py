@@ -18,7 +18,7 @@ and intra-node exchanges are memory copies competing with them. What transfers t
 shape of the trade-off (bytes over the slow links, how much of it backward hides), not absolute times.
 
 Besides the steps (wall and CPU seconds), each layout and rate measures the collectives alone at two
-sizes (the alpha-beta links of `scripts/plan.py`) and the exchanges' local pieces (bucket gathering, casts,
+sizes (the alpha-beta links of `trainer/comm/cost.py`) and the exchanges' local pieces (bucket gathering, casts,
 selection on the model's own gradients); everything goes to `--out`/calibration.json, which the planner
 reads to predict every measured step (the comparison is a column of the table). The PNG is the paper's
 breakdown figure: compute and communication per exchange. ratio (JSON) = dense step / hitopk step for
@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from scripts.bench.comm import KINDS as COMM_KINDS
 from scripts.bench.common import bench_parser, emit_result, print_table, record_run
-from scripts.plan import rate_bps
 
 KINDS = {**COMM_KINDS, "auto": {"kind": "auto"}}
 """The comm bench's five exchanges (compute only, dense, dense fp16, topk, hitopk) and `comm.kind: auto`."""
@@ -59,7 +58,6 @@ if TYPE_CHECKING:  # the parent process never imports torch
     from torch import nn
 
     from trainer.comm.base import Bucket
-    from trainer.comm.cost import Choice
     from trainer.dist import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,7 +138,7 @@ def _timed(fn: Callable[[], object], reps: int) -> tuple[float, float]:
     """(wall, CPU) seconds of fn: medians over reps after one warm-up, the slowest rank's per repeat.
 
     Wall time depends on everything else running on the machine; CPU seconds mostly do not, which is
-    why the planner takes both (see scripts/plan.py: the emulated cluster)."""
+    why the planner takes both (see scripts/plan.py: EmulatedCluster)."""
     import torch.distributed as dist
 
     fn()
@@ -156,7 +154,7 @@ def _timed(fn: Callable[[], object], reps: int) -> tuple[float, float]:
 def measure_primitives(topo: Topology, density: float, reps: int) -> dict[str, list[list[float]]]:
     """Each piece of an exchange, alone, at two sizes: {name: [[elements, wall s, CPU s], ...]}.
 
-    Collectives take the size their formula in scripts/plan.py takes (the full buffer for allreduce and
+    Collectives take the size their formula in trainer/comm/cost.py takes (the full buffer for allreduce and
     reduce-scatter, one rank's payload for allgather). The local pieces are what trainer/comm does around
     the collectives of one bucket: dense_local (gather the gradients into the bucket, average, write
     back), fp16_cast (to and from the wire dtype), sparse_local (add the residual, MSTopK, pack, clear
@@ -556,31 +554,25 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace, steps: int) -> 
                        cells=cells)
 
 
-def fixed_plan(kind: str, sizes: Sequence[int], density: float) -> list[Choice]:
-    """The per-bucket choices a fixed `comm.kind` makes (small buckets dense), in the cost model's terms."""
-    from trainer.comm.cost import DENSE, Choice
-
-    if kind == "dense":
-        return [DENSE] * len(sizes)
-    if kind == "dense fp16":
-        return [Choice("dense16")] * len(sizes)
-    return [Choice(kind, density) if n >= DENSE_BELOW else DENSE for n in sizes]
-
-
 def predict_cell(source: dict[str, Any], model: str, target: dict[str, Any], density: float) -> dict[str, float]:
     """Step seconds of every exchange in the `target` run, predicted out of sample from the `source` run of the
     same layout: its auto calibration (links, contention, selection cost, ready times) and compute-only step,
     with the node-crossing links scaled by the ratio of the two nominal rates. Nothing measured in the
     target run is used."""
     from trainer.comm.auto import candidates, choose, network_from_calibration, predict
-    from trainer.comm.cost import Layout, with_inter_rate
+    from scripts.plan import BENCH_KINDS, fixed_plan, rate_bps  # imports torch: the parent's last step only
+    from trainer.comm.cost import Choice, Layout, with_inter_rate
 
     m = source["models"][model]
     layout = Layout(source["nodes"], source["ranks_per_node"])
     net, sizes, ready = network_from_calibration(m["auto"]["calibration"], layout)
     net = with_inter_rate(net, rate_bps(target["rate"]) / rate_bps(source["rate"]))
     compute = m["exchanges"]["compute only"]["step_s"]
-    out = {kind: compute + predict(sizes, ready, fixed_plan(kind, sizes, density), net, True)[0] for kind in FIXED}
+    out = {}
+    for kind in FIXED:
+        wire = BENCH_KINDS[kind]
+        choice = Choice(wire, density if wire in ("topk", "hitopk") else 1.0)
+        out[kind] = compute + predict(sizes, ready, fixed_plan(choice, sizes, DENSE_BELOW), net, True)[0]
     plan, exposed = choose(sizes, ready, net, lambda n: candidates(n, layout, [density], density, DENSE_BELOW), True)
     out["auto"] = compute + exposed
     return out

@@ -96,9 +96,29 @@ def predict(sizes: Sequence[int], ready_before_end: Sequence[float], plan: Seque
 def choose(sizes: Sequence[int], ready_before_end: Sequence[float], net: Network,
            options: Callable[[int], list[Choice]], local_competes: bool,
            start: Sequence[Choice] | None = None) -> tuple[list[Choice], float]:
-    """The plan with the least predicted exposed time (coordinate descent from `start`, default all dense,
-    largest buckets first), and that time."""
-    plan = list(start) if start is not None else [DENSE] * len(sizes)
+    """The plan with the least predicted exposed time, and that time.
+
+    Coordinate descent (largest buckets first) from `start` (default all dense) and from every uniform plan
+    (each candidate on every bucket that has it): with many small buckets no single bucket's move may clear
+    the margin while moving them all does. Another start's plan replaces the first one's only if it is
+    predicted faster by the margin, so ties stay with `start`."""
+    first = list(start) if start is not None else [DENSE] * len(sizes)
+    plan, best = _descend(sizes, ready_before_end, net, options, local_competes, first)
+    uniform = {c: None for n in sizes for c in options(n)}  # ordered, no duplicates
+    for choice in uniform:
+        trial = [choice if choice in options(n) else DENSE for n in sizes]
+        if trial == first:
+            continue
+        other, t = _descend(sizes, ready_before_end, net, options, local_competes, trial)
+        if t < best - MARGIN * best - 1e-4:
+            plan, best = other, t
+    return plan, best
+
+
+def _descend(sizes: Sequence[int], ready_before_end: Sequence[float], net: Network,
+             options: Callable[[int], list[Choice]], local_competes: bool, plan: list[Choice]
+             ) -> tuple[list[Choice], float]:
+    """Coordinate descent from `plan`: a bucket changes only for a predicted saving above the margin."""
     best, _ = predict(sizes, ready_before_end, plan, net, local_competes)
     order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
     for _ in range(3):
@@ -540,7 +560,8 @@ class AutoCommunicator(TopKCommunicator):
         ring_inter = 2 * (w - 1) / w * (lay.nodes / w if lay.nodes > 1 else 0.0)
         probe("world", topo.world, "allreduce", (2**13, 2**17), torch.float32, ring_inter)
         probe("world16", topo.world, "allreduce", (2**13, 2**17), self.wire16, ring_inter)
-        probe("world_gather", topo.world, "allgather", (2**11, 2**15), torch.float32, w - 1)
+        probe("world_gather", topo.world, "allgather", (2**11, 2**15), torch.float32,
+              (w - 1) * (lay.nodes / w if lay.nodes > 1 else 0.0))  # node-major ring: N of W hops cross
         if lay.per_node > 1 and lay.nodes > 1:
             probe("inter", topo.inter_node, "allgather", (2**11, 2**15), torch.float32, lay.nodes - 1)
             probe("intra_gather", topo.intra_node, "allgather", (2**13, 2**17), torch.float32, 0.0)
