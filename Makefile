@@ -147,10 +147,21 @@ TB_PORT ?= 6006
 tensorboard: setup
 	$(VENV)/bin/tensorboard --logdir runs --port $(TB_PORT) $(if $(filter 0.0.0.0,$(TB_HOST)),--bind_all,--host $(TB_HOST))
 
-## run every benchmark of scripts/bench/ (ARGS=--quick for small sizes)
+## run the micro-benchmarks of scripts/bench/ (ARGS=--quick for small sizes), then regenerate the results tables
 bench: setup
-	@for b in scripts/bench/*.py; do case $$b in */__init__.py|*/common.py) continue;; esac; \
+	@for b in scripts/bench/*.py; do case $$b in */__init__.py|*/common.py|*/tta.py|*/scaling.py) continue;; esac; \
 	  m=$${b%.py}; echo "== $$b"; $(PY) -m $${m//\//.} $(ARGS) || exit 1; done
+	$(PY) -m scripts.results_tables
+
+## time to accuracy, recipe against the tuned torchvision reference on fresh seeds (ARGS=--quick: 2 seeds)
+bench-tta: setup
+	$(PY) -m scripts.bench.tta $(ARGS)
+	$(PY) -m scripts.results_tables
+
+## step time of every exchange on an emulated cluster (root: network namespaces; ARGS=--quick)
+bench-scaling: setup
+	$(PY) -m scripts.bench.scaling $(ARGS)
+	$(PY) -m scripts.results_tables
 
 # Emulated cluster on one machine (root; scripts/netem/): NODES network namespaces joined by RATE-shaped links,
 # one torchrun per node (make netem-up NODES=2 RATE=1gbit; make netem-run NPROC=2 CONFIG=... ARGS=...; make netem-down).
