@@ -86,7 +86,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, digits_root: Path) -
 # ---------------------------------------------------------------- elastic restart and torn checkpoints
 
 
-@pytest.mark.parametrize("kind", ["dense", "hitopk"])
+@pytest.mark.parametrize("kind", ["dense"])  # hitopk's residuals across a resume: test_comm's resume test
 def test_a_rank_killed_mid_epoch_restarts_and_ends_bitwise_equal(tmp_path, digits_root, uninterrupted, kind):
     reference = final_state(uninterrupted(kind))
     done = torchrun(recipe_args(digits_root, tmp_path, kind), restarts=1, fault="kill:1:8")  # SIGKILL in step 8
