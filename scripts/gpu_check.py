@@ -469,16 +469,17 @@ def _mass_conserved(comm: Any, model: Any, grads: list, world: int) -> bool | No
 
 
 def _auto_steps(model: Any, topo: Any, bucket_mb: float, grads: list) -> dict:
-    """`comm.kind: auto` through calibration (its reductions over ranks on the device, CUDA-event timing) and
-    one drift check (rank 0's broadcast decision): calibrated, finite, the plan and the calibrated links."""
+    """`comm.kind: auto` through calibration (its reductions over ranks on the device, CUDA-event timing), the
+    trial of its plan and one drift check (rank 0's broadcast decisions): calibrated, finite, the plan and the
+    calibrated links."""
     import torch
 
     from trainer.comm import AutoCommunicator, CommConfig
 
-    cfg = CommConfig(kind="auto", bucket_mb=bucket_mb, calibration_steps=3, redecide_every=3)
+    cfg = CommConfig(kind="auto", bucket_mb=bucket_mb, calibration_steps=3, trial_steps=3, redecide_every=3)
     comm = AutoCommunicator(cfg, model, topo)
     averaged = []
-    for _ in range(cfg.calibration_steps + cfg.redecide_every):
+    for _ in range(cfg.calibration_steps + cfg.trial_steps + cfg.redecide_every):
         averaged = _comm_step(model, comm, grads)
     comm.detach()
     world = comm.net.links["world"] if comm.net is not None else None

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from trainer.comm.auto import build_network, candidates, choose, network_from_calibration, predict
-from trainer.comm.cost import DENSE, Choice, Layout, Link, Network, Selection, describe, exposed_s, fit_affine, \
+from trainer.comm.cost import DENSE, Choice, plan_summary, Layout, Link, Network, Selection, describe, exposed_s, fit_affine, \
     with_inter_rate
 
 # ---------------------------------------------------------------- published figures and stated assumptions
@@ -286,14 +286,6 @@ def recommend(preds: list[Prediction], slack: float = 0.03) -> Prediction:
     close = [p for p in fixed if p.total_s <= best.total_s * (1 + slack)
              and p.strategy.choice.kind == best.strategy.choice.kind]
     return max(close, key=lambda p: p.strategy.choice.density)
-
-
-def plan_summary(plan: Sequence[Choice]) -> str:
-    """`3 x hitopk 0.01, 2 x dense`: how many buckets take each choice."""
-    counts: dict[str, int] = {}
-    for c in plan:
-        counts[c.label] = counts.get(c.label, 0) + 1
-    return ", ".join(f"{v} x {k}" for k, v in counts.items())
 
 
 # ---------------------------------------------------------------- recipes and models

@@ -69,7 +69,8 @@ def _switching_keeps_mass(rank: int, world: int, per_node: int) -> list[str]:
     topo = setup_distributed(DistConfig(ranks_per_node=per_node))
     model = Params(SIZES)
     cfg = CommConfig(kind="auto", bucket_mb=70000 * 4 / 2**20, dense_below=1000, calibration_steps=3,
-                     densities=[0.01, 0.003], min_density=0.001, compression="fp16")  # fp16: exact on these sums
+                     densities=[0.01, 0.003], min_density=0.001, compression="fp16",  # fp16: exact on these sums
+                     trial_steps=0)
     comm = build_communicator(cfg, model, topo)
     assert isinstance(comm, AutoCommunicator)
     assert per_node == 1 or any(b.numel % per_node for b in comm.buckets)  # the padding branch runs
@@ -148,7 +149,7 @@ def _decide_with_links(rank: int, world: int, per_node: int) -> list[list[str]]:
     """The plan (parameter order) with a slow inter-node link, then with the fast local one."""
     topo = setup_distributed(DistConfig(ranks_per_node=per_node))
     cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3,
-                     densities=[0.01], min_density=0.01)
+                     densities=[0.01], min_density=0.01, trial_steps=0)
     plans = []
     for delay_s_per_mb in (0.3, 0.0):
         model = Params([BIG, 3000])
@@ -181,7 +182,7 @@ def _live_link_change(rank: int, world: int, delays_s_per_mb: list[float]) -> li
     """The plan after calibration, then after each window, with the link's delay per MB set per window."""
     topo = setup_distributed(DistConfig(ranks_per_node=1))
     cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3,
-                     redecide_every=3, densities=[0.01], min_density=0.01)
+                     redecide_every=3, densities=[0.01], min_density=0.01, trial_steps=0)
     model = Params([BIG, 3000])
     comm = build_communicator(cfg, model, topo)
     comm.sparse_delay_s = SELECTION_S
@@ -210,11 +211,42 @@ def test_a_link_change_under_a_sparse_plan_measures_dense_again_before_deciding(
     assert kinds == ["topk", "topk", "dense", "topk", "topk", "topk"], plans[0]
 
 
+def _tried_plans(rank: int, world: int) -> list[list[str]]:
+    """The plan after calibration on a slow link and after the trials: as modelled, then with the sparse
+    exchange made far slower than the model's probes saw (a model that is wrong)."""
+    topo = setup_distributed(DistConfig(ranks_per_node=1))
+    cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3, trial_steps=3,
+                     densities=[0.01], min_density=0.01)
+    plans = []
+    for extra_s in (0.0, 1.0):
+        model = Params([BIG, 3000])
+        comm = build_communicator(cfg, model, topo)
+        comm.inter_delay_s_per_mb, comm.sparse_delay_s = 0.3, SELECTION_S
+        _run_steps(comm, model, rank, cfg.calibration_steps)
+        plans.append([c.kind for c in reversed(comm.plan)])
+        assert not comm.calibrated and len(comm._trials) >= 2  # the model's plan, then dense16 on every bucket
+        comm.sparse_delay_s += extra_s
+        _run_steps(comm, model, rank, cfg.trial_steps * len(comm._trials))
+        assert comm.calibrated
+        plans.append([c.kind for c in reversed(comm.plan)])
+        comm.detach()
+    return plans
+
+
+def test_the_model_s_plan_is_tried_with_others_and_kept_only_if_it_measures_fastest(tmp_path):
+    plans = run_ranks(_tried_plans, 4, tmp_path, timeout=300)
+    assert all(p == plans[0] for p in plans), plans
+    chosen, kept, chosen_again, after_slow_trial = plans[0]
+    assert chosen[0] == "topk" and kept[0] == "topk", plans[0]
+    # sparse measured far slower than modelled: the 16-bit dense plan, tried too, measured faster than dense
+    assert chosen_again[0] == "topk" and after_slow_trial[0] == "dense16", plans[0]
+
+
 def _slow_sparse_reverts(rank: int, world: int) -> list[list[str]]:
     """A sparse plan that measures slower than all dense goes back to dense, and stays there a while."""
     topo = setup_distributed(DistConfig(ranks_per_node=1))
     cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3,
-                     redecide_every=3, densities=[0.01], min_density=0.01)
+                     redecide_every=3, densities=[0.01], min_density=0.01, trial_steps=0)
     model = Params([BIG, 3000])
     comm = build_communicator(cfg, model, topo)
     _run_steps(comm, model, rank, cfg.calibration_steps)

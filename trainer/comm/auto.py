@@ -23,6 +23,12 @@ bucket in turn takes the candidate that lowers the predicted exposed time by mor
 a bucket whose exchange hides behind backward stays dense. Densities below `comm.min_density` (the recipe's
 safe bound) are never candidates.
 
+Trial: when the model's plan is not all dense, it and the fastest uniform plans the model predicts faster than
+all dense (one candidate on every bucket; at most `MAX_TRIALS` plans) each run `comm.trial_steps` steps, timed.
+The one that measured fastest is kept if it beat the calibration's all-dense steps by the choice's margin,
+else every bucket goes back to dense. The model is fitted from probes taken apart from backward; a trial is
+what a plan costs inside the step (on a CPU the sparse local work competes with backward for the cores).
+
 Drift: the last steps (`WINDOW`) before every `redecide_every`-th are timed; the ready times follow them.
 Rank 0 then decides and broadcasts, in one call. The links have moved when the largest bucket's measured
 chain time moved by more than `hysteresis` from the current plan's first measured window. Under an all-dense
@@ -53,13 +59,16 @@ from kernels import mstopk_warm_up
 from trainer.comm.base import Bucket
 from trainer.comm.config import CommConfig
 from trainer.comm.cost import (CODES, DENSE, KINDS, Choice, Layout, Network, Selection, describe, exchange_bytes,
-                               exposed_s, fit_affine, fit_link, k_of, Link)
+                               exposed_s, fit_affine, fit_link, k_of, Link, plan_summary)
 from trainer.comm.dense import WIRE_DTYPES
 from trainer.comm.sparse import TopKCommunicator, sparse_local_work
 from trainer.dist import Group, Topology
 
 HOLD_CHECKS = 5
 """After a plan measured slower than all dense, this many drift checks stay dense."""
+
+MAX_TRIALS = 3
+"""Plans tried, measured, after calibration (the model's and the fastest uniform ones it predicts)."""
 
 WINDOW = 8
 """Steps timed before each drift check."""
@@ -177,6 +186,14 @@ class AutoCommunicator(TopKCommunicator):
         self._reference_chain: list[float] | None = None
         """Rank 0: the measured chain seconds per bucket drift is judged against (the current plan's first
         window; None: the next window sets it)."""
+        self._trials: list[list[Choice]] = []
+        """The plans tried after calibration (the same list on every rank)."""
+        self._trial_at = 0
+        """The running trial's index (len(_trials): none running)."""
+        self._trial_left = 0
+        """Steps left of the running trial."""
+        self._tried: list[tuple[float, list[float]]] = []
+        """Rank 0: each finished trial's measured step cost and chain seconds per bucket."""
         self._remeasure = False
         """Rank 0: the links moved under a sparse plan; the next window runs all dense to measure it."""
         self.sparse_delay_s = 0.0
@@ -187,7 +204,8 @@ class AutoCommunicator(TopKCommunicator):
 
     @property
     def calibrated(self) -> bool:
-        return self.net is not None
+        """Measured, decided, and the decision tried (the plan is settled until the next drift check)."""
+        return self.net is not None and self._trial_at >= len(self._trials)
 
     def _mark(self) -> float | torch.cuda.Event:
         """A point in time on the current stream: on CUDA an event (the host runs ahead of the kernels, and
@@ -319,9 +337,15 @@ class AutoCommunicator(TopKCommunicator):
                 self._rows.append((ready, chain, self._seconds(first, done), self._seconds(end, done)))
         self._local_steps += 1
         self._launched, self._chain = {}, {}
-        if not self.calibrated:
+        if self.net is None:
             if self._local_steps >= self.calibration_steps:
                 self._calibrate()
+        elif not self.calibrated:
+            self._trial_left -= 1
+            if self._trial_left == self.cfg.trial_steps - 1:
+                self._rows = []  # the plan's first step pays its set-up (allocations, first touch)
+            if self._trial_left == 0:
+                self._end_trial()
         else:
             self._since_check += 1
             if self._since_check >= self.cfg.redecide_every:
@@ -401,20 +425,75 @@ class AutoCommunicator(TopKCommunicator):
                             **{f"bucket/{i}/ready_before_end_s": r for i, r in enumerate(ready)},
                             **{f"bucket/{i}/dense_s": c for i, c in enumerate(chain)}}
         self._unlogged = {f"calib/{k}": v for k, v in self.calibration.items()}
-        self._decide(start=None)
+        self._decide()
         self._reference_chain = chain if all(c == DENSE for c in self.plan) else None  # measured all dense
         self._rows = []
         if self.topo.is_main:
             print(self.table(chain), flush=True)
+            if self._trials:
+                print(f"comm auto: trying {len(self._trials)} plan(s) for {self.cfg.trial_steps} steps each against "
+                      f"the measured all-dense steps ({self.dense_cost_s * 1e3:.1f} ms)", flush=True)
 
-    def _decide(self, start: list[Choice] | None) -> None:
-        pairs = None
+    def _decide(self) -> None:
+        """Rank 0's plan and the plans to try, broadcast; the first of them from the next step on."""
+        plans = None
         if self.topo.is_main:
-            sizes = [b.numel for b in self.buckets]
-            plan, _ = choose(sizes, self.ready_before_end, self.net, self._options, self.local_competes, start)
-            pairs = [(c.kind, c.density) for c in plan]
-        pairs = self.topo.world.broadcast_object(pairs, src=0)  # rank 0's plan
-        self.set_plan([Choice(kind, density) for kind, density in pairs])
+            plans = [[(c.kind, c.density) for c in p] for p in self._trial_plans()]
+        plans = self.topo.world.broadcast_object(plans, src=0)
+        self._trials = [[Choice(k, d) for k, d in p] for p in plans] if self.cfg.trial_steps else []
+        self._trial_at, self._tried = 0, []
+        self.set_plan(list(self._trials[0]) if self._trials else
+                      [Choice(k, d) for k, d in plans[0]] if plans else [DENSE] * len(self.buckets))
+        self._trial_left = self.cfg.trial_steps if self._trials else 0
+
+    def _trial_plans(self) -> list[list[Choice]]:
+        """The model's plan, then the uniform plans (one candidate on every bucket that has it) it predicts
+        faster than all dense, fastest first: at most `MAX_TRIALS`, none if the model's plan is all dense."""
+        sizes = [b.numel for b in self.buckets]
+        dense = [DENSE] * len(sizes)
+
+        def predicted(plan: list[Choice]) -> float:
+            return predict(sizes, self.ready_before_end, plan, self.net, self.local_competes)[0]
+
+        plan, _ = choose(sizes, self.ready_before_end, self.net, self._options, self.local_competes)
+        if plan == dense:
+            return []
+        dense_s = predicted(dense)
+        uniform = [[c if c in self._options(n) else DENSE for n in sizes]
+                   for c in {c: None for n in sizes for c in self._options(n)}]
+        out = [plan]
+        for other in sorted(uniform, key=predicted):
+            if other not in out and other != dense and predicted(other) < dense_s and len(out) < MAX_TRIALS:
+                out.append(other)
+        return out
+
+    def _end_trial(self) -> None:
+        """The running trial's measurements (max over ranks); after the last trial rank 0 keeps the plan that
+        measured fastest, if it beat the calibration's all-dense steps by the choice's margin, else all dense:
+        the model can be wrong where it matters most, inside the step on the device it has just fitted."""
+        ready, chain, span, exposed = self._medians(self._rows)
+        self._rows = []
+        nb = len(self.buckets)
+        most, least = self._over_ranks(ready + chain + [span, exposed])
+        cost = self._step_cost(most[2 * nb], most[2 * nb + 1])
+        if self.topo.is_main:
+            self._tried.append((cost, least[nb:2 * nb]))
+            print(f"comm auto: tried {plan_summary(self.plan)}: {cost * 1e3:.1f} ms", flush=True)
+        self._trial_at += 1
+        if self._trial_at < len(self._trials):
+            self.set_plan(list(self._trials[self._trial_at]))
+            self._trial_left = self.cfg.trial_steps
+            return
+        pick = None
+        if self.topo.is_main:
+            best = min(range(len(self._tried)), key=lambda i: self._tried[i][0])
+            pick = best if self._tried[best][0] < (1 - MARGIN) * self.dense_cost_s else -1
+        pick = self.topo.world.broadcast_object(pick, src=0)
+        self.set_plan(list(self._trials[pick]) if pick >= 0 else [DENSE] * nb)
+        if self.topo.is_main:
+            self._reference_chain = self._tried[pick][1] if pick >= 0 else None  # the kept plan's measured window
+            print(f"comm auto: all dense measured {self.dense_cost_s * 1e3:.1f} ms; keeping "
+                  f"{plan_summary(self.plan)}", flush=True)
 
     def set_plan(self, plan: list[Choice]) -> None:
         """Use `plan` from the next step on (every rank must set the same one)."""

@@ -37,6 +37,9 @@ class CommConfig:
     """auto: the lowest density the recipe has shown to converge; auto never sends less (1 = never sparse)."""
     calibration_steps: int = 6
     """auto: dense steps it measures before deciding (at least 3; dense_warmup_steps when that is larger)."""
+    trial_steps: int = 6
+    """auto: steps each plan on trial runs, timed, right after calibration; the fastest is kept only if it
+    measured faster than the calibration's all-dense steps (0: the model's plan is kept untried)."""
     redecide_every: int = 50
     """auto: steps between checks of measured against predicted exchange times (re-decided on drift)."""
     hysteresis: float = 0.1
@@ -55,6 +58,8 @@ class CommConfig:
                 f"comm.densities: must be a non-empty list of numbers in (0, 1], got {self.densities}")
         require(0 < self.min_density <= 1, f"comm.min_density: must be in (0, 1], got {self.min_density}")
         require(self.calibration_steps >= 3, f"comm.calibration_steps: must be >= 3, got {self.calibration_steps}")
+        require(self.trial_steps == 0 or self.trial_steps >= 2,
+                f"comm.trial_steps: must be 0 or >= 2 (the first step of a plan is not timed), got {self.trial_steps}")
         require(self.redecide_every >= 1, f"comm.redecide_every: must be >= 1, got {self.redecide_every}")
         require(0 <= self.hysteresis < 1, f"comm.hysteresis: must be in [0, 1), got {self.hysteresis}")
         require(1 <= self.selection_iters <= 32,

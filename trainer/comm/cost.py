@@ -57,6 +57,14 @@ class Choice:
 DENSE = Choice("dense")
 
 
+def plan_summary(plan: Sequence[Choice]) -> str:
+    """`3 x hitopk 0.01, 2 x dense`: how many buckets take each choice."""
+    counts: dict[str, int] = {}
+    for c in plan:
+        counts[c.label] = counts.get(c.label, 0) + 1
+    return ", ".join(f"{v} x {k}" for k, v in counts.items())
+
+
 @dataclass(frozen=True)
 class Layout:
     """Ranks as the exchange sees them: `nodes` nodes of `per_node` ranks."""
