@@ -150,6 +150,25 @@ def transformer(r: dict[str, Any]) -> list[str]:
     return table(["contender", "tokens/s", "vs baseline"], rows)
 
 
+def scaling(r: dict[str, Any]) -> list[str]:
+    kinds = ("dense", "dense fp16", "topk", "hitopk", "auto")
+    rows = [[c["model"], c["layout"], c["rate"], num(c["compute_ms"]), *(num(c["step_ms"][k]) for k in kinds),
+             c["best_fixed"], f"{c['auto_vs_best']:.3f}",
+             "{:.3f}-{:.3f}".format(*c["auto_vs_best_rounds"][::2]), f"{c['auto_vs_dense']:.3f}",
+             c["auto_plan_summary"],
+             f"{100 * c['planner']['max_abs_error']:.0f}% (from {c['planner']['calibrated_on']})"
+             if "planner" in c else "-"] for c in r["cells"]]
+    oos = r.get("planner_out_of_sample_max_error")
+    return [f"Step ms (median of {r['steps']} interleaved rounds, slowest rank; density {r['density']:g}); auto "
+            f"against the best fixed exchange of its cell and against dense; the planner's largest out-of-sample "
+            f"error per cell (calibrated at the layout's other shaped rate):", "",
+            *table(["model", "nodes x ranks", "links", "compute only", *kinds, "best fixed", "auto / best",
+                    "per round (IQR)", "auto / dense", "auto's plan (buckets)", "planner error"], rows), "",
+            f"Auto within 5% of the best fixed exchange in every cell: **{r['auto_within_5pct_of_best']}**; never "
+            f"more than 5% slower than dense: **{r['auto_never_5pct_slower_than_dense']}**; planner out of sample, "
+            f"largest error: {'-' if oos is None else f'{100 * oos:.0f}%'}."]
+
+
 def ratio_or_none(value: float | None) -> str:
     return "not reached" if value is None else f"{value:.3f}"
 
@@ -188,10 +207,15 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "replica_guard": ("replica guard's share of training time",
                       lambda r: f"{100 * r['share']:.3g}% (every {r['every_steps']} steps)"),
     "transformer": ("Transformer recipe tokens/s over DDP + Adam", lambda r: times(r["ratio"])),
+    "scaling": ("emulated cluster (network namespaces, shaped links): comm.kind auto's step / the best fixed "
+                "exchange's, worst cell",
+                lambda r: f"{max(c['auto_vs_best'] for c in r['cells']):.3f} over {len(r['cells'])} cells; / dense, "
+                          f"worst: {max(c['auto_vs_dense'] for c in r['cells']):.3f}"),
 }
 TABLES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "topk": topk, "input_pipeline": input_pipeline, "data_wait": data_wait, "comm": comm, "optim": optim,
-    "small_conv": small_conv, "replica_guard": replica_guard, "transformer": transformer, "tta": tta}
+    "small_conv": small_conv, "replica_guard": replica_guard, "transformer": transformer, "tta": tta,
+    "scaling": scaling}
 
 
 def summary(results_dir: Path) -> str:

@@ -17,8 +17,8 @@ to their minimum (the rank that launched last waited least for its peers), so ev
 model; rank 0's plan is broadcast all the same, so ranks cannot disagree.
 
 The model (`choose`): each bucket's exchange is `cost.describe`'s list of collectives plus local work; the
-collectives are scaled by the measured/modelled ratio of the dense exchanges during backward (contention
-with the compute); on a CPU the local work also delays backward (same cores). Starting from all dense, each
+collectives are scaled by the measured/modelled ratio of the largest bucket's dense exchange during
+backward (contention with the compute); on a CPU the local work also delays backward (same cores). Starting from all dense, each
 bucket in turn takes the candidate that lowers the predicted exposed time by more than a small margin, so
 a bucket whose exchange hides behind backward stays dense. Densities below `comm.min_density` (the recipe's
 safe bound) are never candidates.
@@ -31,13 +31,16 @@ what a plan costs inside the step (on a CPU the sparse local work competes with 
 
 Drift: the last steps (`WINDOW`) before every `redecide_every`-th are timed; the ready times follow them.
 Rank 0 then decides and broadcasts, in one call. The links have moved when the largest bucket's measured
-chain time moved by more than `hysteresis` from the current plan's first measured window. Under an all-dense
+chain time moved by more than `hysteresis` from the current plan's first measured window, the same way in two
+windows in a row (one noisy window does not re-decide). Under an all-dense
 plan the model's link scale follows the ratio and the plan is re-decided; a new plan is adopted only if it
 is predicted `hysteresis` faster. Under a sparse plan the next window runs all dense first, so that the
 decision and the guard below start from what dense costs on the links as they are now.
 Never slower than dense: when a plan that is not all dense measures (median over the window) more than
-`hysteresis` slower than the last measured all-dense window, every bucket goes back to dense for
-`HOLD_CHECKS` checks.
+`hysteresis` slower than the last measured all-dense window, every bucket goes back to dense; no link change
+re-decides for `HOLD_CHECKS` checks, and after that dense is left only when the links move again. A link that
+gets faster under a sparse plan is seen only through the sparse chains (the allgathers in them), not by a
+fresh dense measurement: the sparse plan is kept against the older, slower dense baseline.
 
 Switching a bucket keeps error feedback exact: a residual kept for one layout (topk: this rank's whole
 bucket; hitopk: this rank's 1/L shard of the node's sum) is added, at the step's loss scale, into this
@@ -65,10 +68,14 @@ from trainer.comm.sparse import TopKCommunicator, sparse_local_work
 from trainer.dist import Group, Topology
 
 HOLD_CHECKS = 5
-"""After a plan measured slower than all dense, this many drift checks stay dense."""
+"""After a plan measured slower than all dense, this many drift checks do not re-decide (the plan stays all
+dense; after them a link change may re-decide)."""
 
 MAX_TRIALS = 3
 """Plans tried, measured, after calibration (the model's and the fastest uniform ones it predicts)."""
+
+SCALE_RANGE = (0.05, 100.0)
+"""Bounds of the measured/modelled scale of the collectives (a wild measurement cannot zero or explode it)."""
 
 WINDOW = 8
 """Steps timed before each drift check."""
@@ -192,8 +199,14 @@ class AutoCommunicator(TopKCommunicator):
         """The running trial's index (len(_trials): none running)."""
         self._trial_left = 0
         """Steps left of the running trial."""
+        self._fresh_plan = False
+        """The next step is a new plan's first: not timed (allocations, first touch of its buffers)."""
         self._tried: list[tuple[float, list[float]]] = []
         """Rank 0: each finished trial's measured step cost and chain seconds per bucket."""
+        self._reference_settling = False
+        """Rank 0: the reference is a new plan's first window; the next window replaces it."""
+        self._moved_before: bool | None = None
+        """Rank 0: the last window's chains moved (True: slower, False: faster), not yet confirmed."""
         self._remeasure = False
         """Rank 0: the links moved under a sparse plan; the next window runs all dense to measure it."""
         self.sparse_delay_s = 0.0
@@ -328,7 +341,7 @@ class AutoCommunicator(TopKCommunicator):
             done = self._mark()  # the gradients are usable
             if not isinstance(done, float):
                 done.synchronize()
-            if self._local_steps > 0:  # the first step pays allocations and connection set-up
+            if self._local_steps > 0 and not self._fresh_plan:  # a first step pays allocations and set-up
                 ready = [max(self._seconds(self._launched[b.index], end), 0.0) if b.index in self._launched
                          else 0.0 for b in self.buckets]  # launched by finish itself: ready at the end
                 chain = [self._seconds(*self._chain[b.index]) if b.index in self._chain else 0.0
@@ -336,14 +349,13 @@ class AutoCommunicator(TopKCommunicator):
                 first = self._first_launch if self._launched else end
                 self._rows.append((ready, chain, self._seconds(first, done), self._seconds(end, done)))
         self._local_steps += 1
+        self._fresh_plan = False
         self._launched, self._chain = {}, {}
         if self.net is None:
             if self._local_steps >= self.calibration_steps:
                 self._calibrate()
         elif not self.calibrated:
             self._trial_left -= 1
-            if self._trial_left == self.cfg.trial_steps - 1:
-                self._rows = []  # the plan's first step pays its set-up (allocations, first touch)
             if self._trial_left == 0:
                 self._end_trial()
         else:
@@ -410,7 +422,8 @@ class AutoCommunicator(TopKCommunicator):
         dense_pred = [self.net.network_s(describe(n, DENSE, self.net_layout)) for n in sizes]
         # from the bucket with the most bytes: a small bucket's time is mostly the wait for the slowest rank
         top = max(range(len(sizes)), key=lambda i: dense_pred[i])
-        self.net.net_scale = min(max(chain[top] / dense_pred[top], 0.25), 20.0) if dense_pred[top] > 0 else 1.0
+        ratio = chain[top] / dense_pred[top] if dense_pred[top] > 0 else 1.0
+        self.net.net_scale = min(max(ratio, SCALE_RANGE[0]), SCALE_RANGE[1])
         self.ready_before_end = ready
         self.calibration = {"nodes": float(self.net_layout.nodes), "ranks_per_node": float(self.net_layout.per_node),
                             "min_density": self.cfg.min_density, "dense_below": float(self.dense_below),
@@ -496,9 +509,15 @@ class AutoCommunicator(TopKCommunicator):
                   f"{plan_summary(self.plan)}", flush=True)
 
     def set_plan(self, plan: list[Choice]) -> None:
-        """Use `plan` from the next step on (every rank must set the same one)."""
+        """Use `plan` from the next step on (every rank must set the same one; after calibration)."""
+        if self.net is None:
+            raise RuntimeError("comm auto: set_plan before calibration; the plan is predicted with the measured model")
+        if len(plan) != len(self.buckets):
+            raise ValueError(f"comm auto: a plan needs one choice per bucket ({len(self.buckets)}), got {len(plan)}")
         if list(plan) != self.plan:
             self._reference_chain = None  # drift is judged against the new plan's own first window
+            self._moved_before = None
+            self._fresh_plan = True
         self.plan = list(plan)
         self.predicted_exposed_s, self.predicted_chain_s = predict(
             [b.numel for b in self.buckets], self.ready_before_end, self.plan, self.net, self.local_competes)
@@ -541,9 +560,10 @@ class AutoCommunicator(TopKCommunicator):
                   flush=True)
 
     def _step_cost(self, span: float, exposed: float) -> float:
-        """What the guard against being slower than dense compares: the wait after backward, and on a CPU
-        (where the local work slows backward down) the whole span from the first launch."""
-        return span if self.local_competes else exposed
+        """What the trials and the guard against being slower than dense compare: the span from the first
+        launch to usable gradients, which holds the wait after backward and any slowing of backward by the
+        exchange's own work (CPU cores, or GPU kernels competing for the device)."""
+        return span
 
     def _drift_update(self, chain: list[float], cost: float) -> dict:
         """Rank 0: the link scale, plan (None: the same), all-dense baseline and hold after a window's
@@ -554,12 +574,17 @@ class AutoCommunicator(TopKCommunicator):
         # a gap between model and measurement: a model that fits one plan's chains less well than another's
         # would otherwise flip between them
         reference = self._reference_chain
-        if reference is None or len(reference) != len(chain):
+        if reference is None or len(reference) != len(chain) or self._reference_settling:
+            # a new plan's first windows set the reference; the second replaces the first, whose steps can
+            # still be settling (allocator, selection kernels, caches)
+            self._reference_settling = reference is None
             self._reference_chain, reference = chain, chain
         # the bucket the model gives the longest chain: a small bucket's time is mostly the wait for its peers
         top = max(range(len(chain)), key=lambda i: self.predicted_chain_s[i])
         ratio = chain[top] / reference[top] if reference[top] > 0 else 1.0
-        moved = abs(ratio - 1) > h
+        # a move counts when two windows in a row moved the same way: one noisy window does not re-decide
+        moved = abs(ratio - 1) > h and self._moved_before == (ratio > 1)
+        self._moved_before = (ratio > 1) if abs(ratio - 1) > h and not moved else None
         if moved:
             self._reference_chain = chain
         dense_now = all(c == DENSE for c in self.plan)
@@ -569,7 +594,7 @@ class AutoCommunicator(TopKCommunicator):
             self._remeasure = False
             ratio = chain[top] / self.predicted_chain_s[top] if self.predicted_chain_s[top] > 0 else 1.0
             moved = True
-        scale = min(max(self.net.net_scale * ratio, 0.05), 100.0) if moved else self.net.net_scale
+        scale = min(max(self.net.net_scale * ratio, SCALE_RANGE[0]), SCALE_RANGE[1]) if moved else self.net.net_scale
         # the guard's baseline is always a measured all-dense step under today's links: it follows the
         # measurements while the plan is all dense, and a link change under a sparse plan measures it again
         dense_cost = cost if dense_now else self.dense_cost_s
@@ -580,7 +605,8 @@ class AutoCommunicator(TopKCommunicator):
             self._remeasure, self._reference_chain = True, None
             return {**out, "plan": to_dense,
                     "message": f"comm auto: link times moved x{ratio:.2f}; one window all dense to measure it: "}
-        if not dense_now and cost > (1 + h) * dense_cost:
+        # the guard needs its dense baseline on the same links: not while a move awaits its second window
+        if not dense_now and cost > (1 + h) * dense_cost and self._moved_before is None:
             self._reference_chain = None
             return {**out, "plan": to_dense, "dense_hold": HOLD_CHECKS,
                     "message": f"comm auto: measured {cost * 1e3:.1f} ms against {dense_cost * 1e3:.1f} ms all "
@@ -614,6 +640,7 @@ class AutoCommunicator(TopKCommunicator):
     def _probe_links(self) -> dict[str, list[tuple[float, float]]]:
         """{probe: [(bytes, seconds)]} of each group's collectives at two sizes (all ranks, in the same order)."""
         topo, lay = self.topo, self.net_layout
+        per = lay.per_node
         delay = self.inter_delay_s_per_mb
         out: dict[str, list[tuple[float, float]]] = {}
 
@@ -644,7 +671,8 @@ class AutoCommunicator(TopKCommunicator):
         if lay.per_node > 1 and lay.nodes > 1:
             probe("inter", topo.inter_node, "allgather", (2**11, 2**15), torch.float32, lay.nodes - 1)
             probe("intra_gather", topo.intra_node, "allgather", (2**13, 2**17), torch.float32, 0.0)
-            probe("intra_scatter", topo.intra_node, "reduce_scatter", (2**14, 2**18), torch.float32, 0.0)
+            probe("intra_scatter", topo.intra_node, "reduce_scatter",  # sizes the ranks of a node divide evenly
+                  (2**14 // per * per, 2**18 // per * per), torch.float32, 0.0)
         return out
 
     def _probe_local_work(self) -> tuple[list[tuple[float, float]], tuple[float, float]]:

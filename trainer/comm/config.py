@@ -41,7 +41,8 @@ class CommConfig:
     """auto: steps each plan on trial runs, timed, right after calibration; the fastest is kept only if it
     measured faster than the calibration's all-dense steps (0: the model's plan is kept untried)."""
     redecide_every: int = 50
-    """auto: steps between checks of measured against predicted exchange times (re-decided on drift)."""
+    """auto: steps between drift checks (the measured exchange times against the current plan's first measured
+    window; re-decided when they moved by more than `hysteresis`)."""
     hysteresis: float = 0.1
     """auto: the fraction by which measured chain times must move to re-decide, a new plan must be predicted
     faster, and a plan may measure slower than all dense before it reverts to dense."""
@@ -57,6 +58,9 @@ class CommConfig:
         require(bool(self.densities) and all(0 < d <= 1 for d in self.densities),
                 f"comm.densities: must be a non-empty list of numbers in (0, 1], got {self.densities}")
         require(0 < self.min_density <= 1, f"comm.min_density: must be in (0, 1], got {self.min_density}")
+        require(self.min_density >= 1 or self.min_density <= max(self.densities),
+                f"comm.min_density: {self.min_density} is above every comm.densities value {self.densities}, so "
+                "auto could never send sparse; lower it, add a density, or set it to 1 to mean never sparse")
         require(self.calibration_steps >= 3, f"comm.calibration_steps: must be >= 3, got {self.calibration_steps}")
         require(self.trial_steps == 0 or self.trial_steps >= 2,
                 f"comm.trial_steps: must be 0 or >= 2 (the first step of a plan is not timed), got {self.trial_steps}")
