@@ -13,8 +13,9 @@ from torch import nn
 
 from tests.conftest import run_ranks
 from trainer.comm import AutoCommunicator, CommConfig, build_communicator
-from trainer.comm.auto import candidates, choose
-from trainer.comm.cost import DENSE, Choice, Layout, Link, Network, Selection
+from trainer.comm.auto import build_network, candidates, choose
+from trainer.comm.cost import (DENSE, Choice, Layout, Link, Network, Selection, allgather_s, reduce_scatter_s,
+                               ring_allreduce_s)
 from trainer.dist import DistConfig, setup_distributed
 
 SIZES = [3000, 70000, 18, 5001]
@@ -312,6 +313,26 @@ def test_many_small_buckets_move_together_when_no_single_move_clears_the_margin(
     same = Network(lay, {"world": link, "world16": Link(1e-5, 0.5e9), "intra": Link(1e-6, 1e10)})
     plan, _ = choose(sizes, [0.0] * 50, same, opts, local_competes=False)
     assert plan == [DENSE] * 50
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (4, 1), (3, 4)])
+def test_probes_timed_by_the_cost_formulas_give_back_their_links(nodes, per_node):
+    # probe times made by the cost model's own collective formulas from known links: the fit must return them
+    lay = Layout(nodes, per_node)
+    world, gather, inter, intra = Link(3e-5, 2e9), Link(5e-5, 1e9), Link(8e-5, 3e8), Link(2e-6, 8e9)
+    w, per = lay.world, per_node
+    probes = {"world": [(b, ring_allreduce_s(b, w, world)) for b in (2.0**15, 2.0**19)],
+              "world_gather": [(b, allgather_s(b, w, gather)) for b in (2.0**13, 2.0**17)]}
+    if per > 1 and nodes > 1:
+        probes["inter"] = [(b, allgather_s(b, nodes, inter, sharing=per)) for b in (2.0**13, 2.0**17)]
+        probes["intra_gather"] = [(b, allgather_s(b, per, intra)) for b in (2.0**15, 2.0**19)]
+        probes["intra_scatter"] = [(b, reduce_scatter_s(b, per, intra)) for b in (2.0**16, 2.0**20)]
+    net = build_network(lay, probes, [], 0.0)
+    expected = {"world": world, "world_gather": gather, **({"inter": inter, "intra": intra} if "inter" in probes else {})}
+    assert set(net.links) == set(expected)
+    for name, link in expected.items():
+        assert net.links[name].alpha_s == pytest.approx(link.alpha_s, rel=1e-6), name
+        assert net.links[name].bytes_per_s == pytest.approx(link.bytes_per_s, rel=1e-6), name
 
 
 def test_link_fit_recovers_latency_and_bandwidth_and_survives_noise():

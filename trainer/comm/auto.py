@@ -61,8 +61,9 @@ from torch import nn
 from kernels import mstopk_warm_up
 from trainer.comm.base import Bucket
 from trainer.comm.config import CommConfig
-from trainer.comm.cost import (CODES, DENSE, KINDS, Choice, Layout, Network, Selection, describe, exchange_bytes,
-                               exposed_s, fit_affine, fit_link, k_of, Link, plan_summary)
+from trainer.comm.cost import (CODES, DENSE, KINDS, Choice, Layout, Link, Network, Selection, allgather_s, describe,
+                               exchange_bytes, exposed_s, fit_affine, fit_link, k_of, plan_summary, reduce_scatter_s,
+                               ring_allreduce_s)
 from trainer.comm.dense import WIRE_DTYPES
 from trainer.comm.sparse import TopKCommunicator, sparse_local_work
 from trainer.dist import Group, Topology
@@ -719,19 +720,20 @@ def build_network(layout: Layout, probes: dict[str, list[tuple[float, float]]],
     """The links and local costs fitted to probe measurements ({probe: [(bytes, seconds)]}, see
     AutoCommunicator._probe_links) and the sparse local work's [(elements, seconds)]."""
     w, per, nodes = layout.world, layout.per_node, layout.nodes
-    links = {"world": fit_link(probes["world"], 2 * (w - 1), 2 * (w - 1) / w)}
+    links = {"world": fit_collective(probes["world"], ring_allreduce_s, w)}
     if "world16" in probes:  # a link carries bytes: a 16-bit wire is never faster per byte (its sums may be slower)
-        fitted = fit_link(probes["world16"], 2 * (w - 1), 2 * (w - 1) / w)
+        fitted = fit_collective(probes["world16"], ring_allreduce_s, w)
         links["world16"] = Link(max(fitted.alpha_s, links["world"].alpha_s),
                                 min(fitted.bytes_per_s, links["world"].bytes_per_s))
     if "world_gather" in probes:
-        links["world_gather"] = fit_link(probes["world_gather"], w - 1, w - 1)
-    if "inter" in probes:
-        links["inter"] = fit_link(probes["inter"], nodes - 1, per * (nodes - 1))
-    if "intra_gather" in probes:
-        pts = [(b * (per - 1), t) for b, t in probes["intra_gather"]]
-        pts += [(b * (per - 1) / per, t) for b, t in probes.get("intra_scatter", [])]
-        links["intra"] = fit_link(pts, per - 1, 1.0)
+        links["world_gather"] = fit_collective(probes["world_gather"], allgather_s, w)
+    if "inter" in probes:  # the node's L local ranks gather at once over its link
+        links["inter"] = fit_collective(probes["inter"], lambda b, p, link: allgather_s(b, p, link, sharing=per),
+                                        nodes)
+    if "intra_gather" in probes:  # one link from both intra-node collectives: bytes scaled by each one's volume
+        pts = [(b * _volume(allgather_s, per), t) for b, t in probes["intra_gather"]]
+        pts += [(b * _volume(reduce_scatter_s, per), t) for b, t in probes.get("intra_scatter", [])]
+        links["intra"] = fit_link(pts, _rounds(allgather_s, per), 1.0)
     selection = Selection(0.0, 0.0)
     if select_points:
         fixed, per_element = fit_affine(select_points)
@@ -739,6 +741,23 @@ def build_network(layout: Layout, probes: dict[str, list[tuple[float, float]]],
             fixed, per_element = 0.0, sum(t for _, t in select_points) / sum(n for n, _ in select_points)
         selection = Selection(fixed, per_element)
     return Network(layout, links, selection, cast_per_element_s)
+
+
+def _rounds(formula: Callable[[float, int, Link], float], p: int) -> float:
+    """The latency terms of a collective's formula at p ranks: its time for no bytes at 1 s per step."""
+    return formula(0.0, p, Link(1.0, 1.0))
+
+
+def _volume(formula: Callable[[float, int, Link], float], p: int) -> float:
+    """The bytes through the busiest link per byte of a collective's size: its time at 1 B/s, no latency."""
+    return formula(1.0, p, Link(0.0, 1.0))
+
+
+def fit_collective(points: Sequence[tuple[float, float]], formula: Callable[[float, int, Link], float], p: int
+                   ) -> Link:
+    """The link that makes `formula` (a `cost` collective: bytes, ranks, link -> seconds) fit the measured
+    (bytes, seconds) at p ranks: least squares on the formula's own rounds and volume."""
+    return fit_link(points, _rounds(formula, p), _volume(formula, p))
 
 
 def network_from_calibration(cal: dict[str, float], layout: Layout) -> tuple[Network, list[int], list[float]]:
