@@ -266,9 +266,10 @@ def _slow_sparse_reverts(rank: int, world: int) -> list[list[str]]:
     comm.set_plan([Choice("topk", 0.01) if b.numel >= cfg.dense_below else DENSE for b in comm.buckets])
     comm.sparse_delay_s = 0.3  # sparse far slower than the calibration's probes said
     plans = []
-    for delay_s_per_mb in (0.0, 0.0, 1.0):
-        # the third window's link is far slower: without the hold, the model (which still thinks sparse is
-        # cheap) would re-decide to top-k
+    for delay_s_per_mb in (0.0, 0.0, 0.0, 1.0, 1.0):
+        # the revert, two windows that settle dense's reference, then a link far slower for two windows (a
+        # confirmed move) within the hold: without the hold the model, which still thinks sparse is cheap,
+        # would re-decide to top-k
         comm.inter_delay_s_per_mb = delay_s_per_mb
         _run_steps(comm, model, rank, cfg.redecide_every)
         plans.append([c.kind for c in reversed(comm.plan)])
