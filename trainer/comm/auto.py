@@ -188,7 +188,7 @@ class AutoCommunicator(TopKCommunicator):
         self._since_check = 0
         """Steps since calibration or the last drift check."""
         self.dense_cost_s = 0.0
-        """The measured all-dense step cost (`_step_cost`) the plan must not exceed by more than `hysteresis`."""
+        """The measured all-dense step cost (`_gather_window`) the plan must not exceed by more than `hysteresis`."""
         self.dense_hold = 0
         """Drift checks left before a plan reverted to dense may leave it again."""
         self._reference_chain: list[float] | None = None
@@ -410,7 +410,7 @@ class AutoCommunicator(TopKCommunicator):
         # the earliest-ready rank bounds how much of it hides: minima. Probes and spans: a step is as slow as
         # its slowest rank, maxima.
         ready, chain, span, exposed = least[:nb], least[nb:2 * nb], flat[2 * nb], flat[2 * nb + 1]
-        self.dense_cost_s = self._step_cost(span, exposed)
+        self.dense_cost_s = span  # the step cost `_gather_window` measures
         pos = 2 * nb + 2
         for name in names:
             probes[name] = [(x, flat[pos + j]) for j, (x, _) in enumerate(probes[name])]
@@ -485,13 +485,10 @@ class AutoCommunicator(TopKCommunicator):
         """The running trial's measurements (max over ranks); after the last trial rank 0 keeps the plan that
         measured fastest, if it beat the calibration's all-dense steps by the choice's margin, else all dense:
         the model can be wrong where it matters most, inside the step on the device it has just fitted."""
-        ready, chain, span, exposed = self._medians(self._rows)
-        self._rows = []
+        _, chain, cost = self._gather_window()
         nb = len(self.buckets)
-        most, least = self._over_ranks(ready + chain + [span, exposed])
-        cost = self._step_cost(most[2 * nb], most[2 * nb + 1])
         if self.topo.is_main:
-            self._tried.append((cost, least[nb:2 * nb]))
+            self._tried.append((cost, chain))
             print(f"comm auto: tried {plan_summary(self.plan)}: {cost * 1e3:.1f} ms", flush=True)
         self._trial_at += 1
         if self._trial_at < len(self._trials):
@@ -538,17 +535,10 @@ class AutoCommunicator(TopKCommunicator):
     def _check_drift(self) -> None:
         """Every rank gathers the window's measurements; rank 0 decides whether and what changes and broadcasts
         that in one call, so every rank takes the same branch."""
-        ready, chain, span, exposed = self._medians(self._rows) if self._rows else ([], [], 0.0, 0.0)
-        self._rows = []
-        nb = len(self.buckets)
-        if ready:
-            most, least = self._over_ranks(ready + chain + [span, exposed])
-        else:
-            most, least = self._over_ranks([0.0] * (2 * nb + 2))
-        # backward's length moves (progressive resizing): the ready times follow the measurements
-        self.ready_before_end = least[:nb] if ready else self.ready_before_end
-        update = self._drift_update(least[nb:2 * nb], self._step_cost(most[2 * nb], most[2 * nb + 1])) \
-            if self.topo.is_main and ready else None
+        window = self._gather_window()
+        if window is not None:  # backward's length moves (progressive resizing): the ready times follow it
+            self.ready_before_end = window[0]
+        update = self._drift_update(window[1], window[2]) if self.topo.is_main and window is not None else None
         update = self.topo.world.broadcast_object(update, src=0)
         if update is None:
             return
@@ -560,15 +550,24 @@ class AutoCommunicator(TopKCommunicator):
             print(update["message"] + ", ".join(f"{b.index}:{c.label}" for b, c in zip(self.buckets, self.plan)),
                   flush=True)
 
-    def _step_cost(self, span: float, exposed: float) -> float:
-        """What the trials and the guard against being slower than dense compare: the span from the first
+    def _gather_window(self) -> tuple[list[float], list[float], float] | None:
+        """A collective (every rank calls it): the timed rows' medians over the ranks, the rows cleared. Ready
+        and chain seconds per bucket take their minimum over ranks; the step cost - the span from the first
         launch to usable gradients, which holds the wait after backward and any slowing of backward by the
-        exchange's own work (CPU cores, or GPU kernels competing for the device)."""
-        return span
+        exchange's own work - its maximum. None when no step was timed (the same on every rank)."""
+        nb = len(self.buckets)
+        timed = bool(self._rows)
+        values = [0.0] * (2 * nb + 1)
+        if timed:
+            ready, chain, span, _ = self._medians(self._rows)
+            values = ready + chain + [span]
+        self._rows = []
+        most, least = self._over_ranks(values)
+        return (least[:nb], least[nb:2 * nb], most[2 * nb]) if timed else None
 
     def _drift_update(self, chain: list[float], cost: float) -> dict:
         """Rank 0: the link scale, plan (None: the same), all-dense baseline and hold after a window's
-        measurements (chain: seconds per bucket; cost: `_step_cost`)."""
+        measurements (chain: seconds per bucket; cost: `_gather_window`'s step cost)."""
         h = self.cfg.hysteresis
         sizes = [b.numel for b in self.buckets]
         # drift is a change of the measured chains under the same plan (against the plan's first window), not
