@@ -453,11 +453,11 @@ class AutoCommunicator(TopKCommunicator):
         plans = None
         if self.topo.is_main:
             plans = [[(c.kind, c.density) for c in p] for p in self._trial_plans()]
-        plans = self.topo.world.broadcast_object(plans, src=0)
-        self._trials = [[Choice(k, d) for k, d in p] for p in plans] if self.cfg.trial_steps else []
+        chosen = [[Choice(k, d) for k, d in p] for p in self.topo.world.broadcast_object(plans, src=0)]
+        # no trials: the model's plan (the first) is kept as it is
+        self._trials = chosen if self.cfg.trial_steps else []
         self._trial_at, self._tried = 0, []
-        self.set_plan(list(self._trials[0]) if self._trials else
-                      [Choice(k, d) for k, d in plans[0]] if plans else [DENSE] * len(self.buckets))
+        self.set_plan(list(chosen[0]) if chosen else [DENSE] * len(self.buckets))
         self._trial_left = self.cfg.trial_steps if self._trials else 0
 
     def _trial_plans(self) -> list[list[Choice]]:
