@@ -29,19 +29,19 @@ Needs root (network namespaces); prints why and a JSON line with "skipped" other
     sudo .venv/bin/python -m scripts.bench.scaling [--quick] [--density 0.01] [--out runs/scaling]
 
 --quick: ResNet-50 only, 6 measured steps per cell; full: both models, 8 steps (`--steps` sets it).
+Each model runs in its own processes; every (layout, rate, model) is saved to OUT/cells/ when it is done,
+and `--resume` reuses the saved cells of the same steps and density (their commit is printed and kept).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -343,24 +343,19 @@ def measure_model(name: str, topo: Topology, density: float, steps: int) -> dict
         if stats[kind] and stats[kind][0]:
             cell.update({k: statistics.mean(s[k] for s in stats[kind]) for k in stats[kind][0]})
         result["exchanges"][kind] = cell
-    del comms, model, loss_fn, params, buckets
-    gc.collect()
-    _trim_heap()
     return result
 
 
-def _trim_heap() -> None:
-    """Return freed heap memory to the OS (glibc keeps it otherwise; 4 ranks share this machine's RAM)."""
-    try:
-        import ctypes
+def peak_rss_mb() -> float:
+    """The largest resident set this process has had, in MB (Linux reports ru_maxrss in KB)."""
+    import resource
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    """One rank of the emulated cluster (started by scripts/netem/run.sh under torchrun)."""
+    """One rank of the emulated cluster (started by scripts/netem/run.sh under torchrun): one model, and the
+    collectives alone when --primitives is given."""
     import torch
 
     from trainer.dist import DistConfig, setup_distributed, teardown_distributed
@@ -368,13 +363,15 @@ def run_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # all ranks of all nodes share the machine's 2 cores
     topo = setup_distributed(DistConfig(timeout_s=900))
     try:
-        out = {"nodes": topo.num_nodes, "ranks_per_node": topo.ranks_per_node, "rate": args.rate,
-               "primitives": measure_primitives(topo, args.density, reps=args.steps), "models": {}}
+        out = {"nodes": topo.num_nodes, "ranks_per_node": topo.ranks_per_node, "rate": args.rate, "models": {}}
+        if args.primitives:
+            out["primitives"] = measure_primitives(topo, args.density, reps=args.steps)
         for name in args.models.split(","):
-            out["models"][name] = measure_model(name, topo, args.density, args.steps)
+            m = out["models"][name] = measure_model(name, topo, args.density, args.steps)
+            m["peak_rss_mb"] = round(_max_over_ranks([peak_rss_mb()])[0])
             if topo.is_main:
-                print(f"  {name}: " + ", ".join(f"{k} {v['step_s'] * 1e3:.0f} ms"
-                                                 for k, v in out["models"][name]["exchanges"].items()), flush=True)
+                print(f"  {name}: " + ", ".join(f"{k} {v['step_s'] * 1e3:.0f} ms" for k, v in m["exchanges"].items())
+                      + f"; peak RSS {m['peak_rss_mb']} MB per rank", flush=True)
         if topo.is_main:
             Path(args.worker_out).write_text(json.dumps(out))
         torch.distributed.barrier()
@@ -415,25 +412,56 @@ def skip_reason() -> str | None:
 
 
 def measure_all(args: argparse.Namespace, models: list[str], steps: int) -> list[dict[str, Any]]:
-    """Bring the cluster up for each layout and rate, run the worker on it; the cluster is always torn down."""
+    """Bring the cluster up for each layout and rate and run one worker per model on it (fresh processes: one
+    model's heap does not crowd the next); the cluster is always torn down.
+
+    Each (layout, rate, model) is written to OUT/cells/ as soon as it is measured; --resume reuses those
+    files (same steps and density) instead of measuring them again, so a run that dies loses one cell."""
     runs = []
     combos = [(layout, rate) for layout in (LAYOUTS[:1] if args.quick else LAYOUTS) for rate in RATES]
+    cells_dir = Path(args.out) / "cells"
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    up = None
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for i, ((nodes, per_node), rate) in enumerate(combos, 1):
-                print(f"[{i}/{len(combos)}] {nodes} nodes x {per_node} ranks, links {rate}", flush=True)
-                _netem("cluster.sh", "up", str(nodes), rate, quiet=True)
-                out = Path(tmp) / f"run{i}.json"
-                start = time.perf_counter()
-                _netem("run.sh", "--nproc-per-node", str(per_node), "--port", str(PORT + i), "--threads", "1",
-                       "-m", "scripts.bench.scaling", "--worker", str(out), "--rate", rate, "--models",
-                       ",".join(models), "--steps", str(steps), "--density", str(args.density))
-                run = json.loads(out.read_text())
-                run["wall_s"] = time.perf_counter() - start
-                runs.append(run)
+        for i, ((nodes, per_node), rate) in enumerate(combos, 1):
+            print(f"[{i}/{len(combos)}] {nodes} nodes x {per_node} ranks, links {rate}", flush=True)
+            run: dict[str, Any] = {"nodes": nodes, "ranks_per_node": per_node, "rate": rate, "models": {},
+                                   "wall_s": 0.0, "commits": {}}
+            for j, model in enumerate(models):
+                path = cells_dir / f"{nodes}x{per_node}_{rate}_{model}_steps{steps}_density{args.density}.json"
+                part = json.loads(path.read_text()) if args.resume and path.exists() else None
+                if part is not None and (j > 0 or "primitives" in part):
+                    print(f"  {model}: reused {path} (measured {part['measured']} at {part['commit']})", flush=True)
+                else:
+                    if up != (nodes, rate):
+                        _netem("cluster.sh", "up", str(nodes), rate, quiet=True)
+                        up = (nodes, rate)
+                    start = time.perf_counter()
+                    _netem("run.sh", "--nproc-per-node", str(per_node), "--port", str(PORT + i), "--threads", "1",
+                           "-m", "scripts.bench.scaling", "--worker", str(path), "--rate", rate, "--models", model,
+                           "--steps", str(steps), "--density", str(args.density), *(["--primitives"] if j == 0 else []))
+                    part = json.loads(path.read_text())
+                    part.update(wall_s=time.perf_counter() - start, measured=time.strftime("%Y-%m-%d %H:%M"),
+                                commit=_commit())
+                    path.write_text(json.dumps(part))
+                run["models"].update(part["models"])
+                run["wall_s"] += part["wall_s"]
+                run["commits"][model] = part["commit"]
+                if "primitives" in part:
+                    run["primitives"] = part["primitives"]
+            runs.append(run)
     finally:
-        _netem("cluster.sh", "down", quiet=True)
+        if up is not None:
+            _netem("cluster.sh", "down", quiet=True)
     return runs
+
+
+def _commit() -> str:
+    """The checked-out commit (with '+dirty' when the working tree differs from it)."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "-uno") else "")
 
 
 # ---------------------------------------------------------------- report (parent side)
@@ -644,7 +672,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--models", default="", help="comma-separated subset of resnet50,transformer "
                                                      "(default: both; --quick: resnet50)")
     parser.add_argument("--steps", type=int, default=0, help="measured steps per cell (default 8; --quick 6)")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the cells already measured in OUT/cells (same steps and density)")
     parser.add_argument("--worker", metavar="OUT_JSON", help=argparse.SUPPRESS)  # one rank, under run.sh
+    parser.add_argument("--primitives", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rate", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     record_run(args)
