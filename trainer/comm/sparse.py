@@ -82,13 +82,13 @@ def sparse_local_work(g: torch.Tensor, density: float, peers: int, iters: int, w
                       ) -> Callable[[], None]:
     """One run of what a sparse exchange does around its collectives for the bucket or shard `g` (fp32), for
     timing: add a residual, select and pack (`select_payload`), scatter-add `peers` payloads, average."""
-    residual = torch.zeros_like(g)
+    residual, acc, out = torch.zeros_like(g), torch.empty_like(g), torch.empty_like(g)
     k = k_of(g.numel(), density)
 
     def run() -> None:
-        acc = g + residual
+        torch.add(g, residual, out=acc)
         payload = select_payload(acc, k, iters)
-        scatter_payloads(payload.repeat(peers), peers, g.numel()).div_(world)
+        scatter_payloads(payload.repeat(peers), peers, g.numel(), out).div_(world)
     return run
 
 
@@ -108,8 +108,6 @@ class TopKCommunicator(ExchangeCommunicator):
         """Per bucket index, the buffer the next step writes its residual into (after a step: the previous one)."""
         self._updated: list[tuple[int, torch.Tensor | None]] = []
         """(bucket index, its residual before this step) for every bucket this step updated."""
-        self._dense: dict[int, torch.Tensor] = {}
-        """Per bucket index, the summed shard the allgathered pairs are scattered into (reused every step)."""
         if self.inter is not None:  # compile the selection kernels now, before the clock starts
             mstopk_warm_up(topo.device, sorted({self.selection_size(b) for b in self.buckets
                                                if b.numel >= self.dense_below}), self.iters)
@@ -205,10 +203,8 @@ class TopKCommunicator(ExchangeCommunicator):
             payload = pack(acc.new_full((k,), float("nan")), torch.arange(k, device=acc.device))
         self.count(select_s=time.perf_counter() - start, sent_elements=k, selected_from=size)
         gathered = inter.all_gather(payload, f"inter-node sparse allgather of {what}")
-        out = self._dense.get(index)
-        if out is None or out.numel() != size or out.dtype != gathered.dtype:
-            out = self._dense[index] = gathered.new_empty(size)
-        return scatter_payloads(gathered, inter.size, size, out)
+        # acc holds everything the shard held: the sum is written over the shard (no buffer of its own)
+        return scatter_payloads(gathered, inter.size, size, shard if shard.dtype == gathered.dtype else None)
 
     def begin_step(self) -> None:
         self._updated = []
