@@ -154,7 +154,7 @@ def scaling(r: dict[str, Any]) -> list[str]:
     kinds = ("dense", "dense fp16", "topk", "hitopk", "auto")
     rows = [[c["model"], c["layout"], c["rate"], num(c["compute_ms"]), *(num(c["step_ms"][k]) for k in kinds),
              c["best_fixed"], f"{c['auto_vs_best']:.3f}",
-             "{:.3f}-{:.3f}".format(*c["auto_vs_best_rounds"][::2]), f"{c['auto_vs_dense']:.3f}",
+             "{1:.3f} ({0:.3f}-{2:.3f})".format(*c["auto_vs_best_rounds"]), f"{c['auto_vs_dense']:.3f}",
              c["auto_plan_summary"],
              f"{100 * c['planner']['max_abs_error']:.0f}% (from {c['planner']['calibrated_on']})"
              if "planner" in c else "-"] for c in r["cells"]]
@@ -163,7 +163,7 @@ def scaling(r: dict[str, Any]) -> list[str]:
             f"against the best fixed exchange of its cell and against dense; the planner's largest out-of-sample "
             f"error per cell (calibrated at the layout's other shaped rate):", "",
             *table(["model", "nodes x ranks", "links", "compute only", *kinds, "best fixed", "auto / best",
-                    "per round (IQR)", "auto / dense", "auto's plan (buckets)", "planner error"], rows), "",
+                    "auto / best per round: median (IQR)", "auto / dense", "auto's plan (buckets)", "planner error"], rows), "",
             f"Auto within 5% of the best fixed exchange in every cell: **{r['auto_within_5pct_of_best']}**; never "
             f"more than 5% slower than dense: **{r['auto_never_5pct_slower_than_dense']}**; planner out of sample, "
             f"largest error: {'-' if oos is None else f'{100 * oos:.0f}%'}."]
