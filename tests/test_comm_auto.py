@@ -236,7 +236,7 @@ def _tried_plans(rank: int, world: int) -> list[list[str]]:
         comm.inter_delay_s_per_mb, comm.sparse_delay_s = 0.3, SELECTION_S
         _run_steps(comm, model, rank, cfg.calibration_steps)
         plans.append([c.kind for c in reversed(comm.plan)])
-        assert not comm.calibrated and len(comm._trials) >= 2  # the model's plan, then dense16 on every bucket
+        assert not comm.calibrated and len(comm._trials) >= 3  # the model's plan, dense16 everywhere, dense
         comm.sparse_delay_s += extra_s
         _run_steps(comm, model, rank, cfg.trial_steps * len(comm._trials))
         assert comm.calibrated
@@ -252,6 +252,64 @@ def test_the_model_s_plan_is_tried_with_others_and_kept_only_if_it_measures_fast
     assert chosen[0] == "topk" and kept[0] == "topk", plans[0]
     # sparse measured far slower than modelled: the 16-bit dense plan, tried too, measured faster than dense
     assert chosen_again[0] == "topk" and after_slow_trial[0] == "dense16", plans[0]
+
+
+def _link_faster_after_calibration(rank: int, world: int) -> list[list[str]]:
+    """Calibrated on a slow link (the model picks top-k), which is fast again during the trials."""
+    topo = setup_distributed(DistConfig(ranks_per_node=1))
+    cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3, trial_steps=3,
+                     densities=[0.01], min_density=0.01)
+    model = Params([BIG, 3000])
+    comm = build_communicator(cfg, model, topo)
+    comm.inter_delay_s_per_mb, comm.sparse_delay_s = 0.3, SELECTION_S
+    _run_steps(comm, model, rank, cfg.calibration_steps)
+    plans = [[c.kind for c in reversed(comm.plan)]]
+    comm.inter_delay_s_per_mb = 0.0
+    # the 16-bit dense plan, tried too, would beat top-k whatever top-k is compared with: left out
+    comm._trials = [t for t in comm._trials if Choice("dense16") not in t]
+    while not comm.calibrated:
+        _run_steps(comm, model, rank, 1)
+    return plans + [[c.kind for c in reversed(comm.plan)]]
+
+
+def test_the_tried_plans_are_compared_with_all_dense_tried_alike_not_with_the_calibration(tmp_path):
+    plans = run_ranks(_link_faster_after_calibration, 4, tmp_path, timeout=300)
+    assert all(p == plans[0] for p in plans), plans
+    chosen, kept = plans[0]
+    # top-k beats the calibration's slow dense steps, but not dense on the link as it is during the trials
+    assert chosen[0] == "topk" and kept[0] == "dense", plans[0]
+
+
+def _longer_backward(rank: int, world: int) -> list[list[str]]:
+    """The plan after calibration and trials on a slow link, then after each window of steps whose backward
+    runs a while longer between the small bucket's launch and the large one's (a larger image size)."""
+    import time
+
+    topo = setup_distributed(DistConfig(ranks_per_node=1))
+    cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3, trial_steps=3,
+                     redecide_every=3, densities=[0.01], min_density=0.01,
+                     hysteresis=0.5)  # a noisy chain must not count as a link move, which defers the guard
+    model = Params([BIG, 3000])
+    comm = build_communicator(cfg, model, topo)
+    comm.inter_delay_s_per_mb, comm.sparse_delay_s = 0.3, SELECTION_S
+    while not comm.calibrated:
+        _run_steps(comm, model, rank, 1)
+    plans = [[c.kind for c in reversed(comm.plan)]]
+    # longer than dense's whole exchange: the sparse step now takes longer than the dense step did
+    longer_s = 2 * comm.dense_cost_s
+    model.ps[0].register_hook(lambda g: (time.sleep(longer_s), g)[1])
+    for _ in range(3):
+        _run_steps(comm, model, rank, cfg.redecide_every)
+        plans.append([c.kind for c in reversed(comm.plan)])
+    return plans
+
+
+def test_a_longer_backward_compares_with_dense_measured_again_and_keeps_the_plan(tmp_path):
+    plans = run_ranks(_longer_backward, 4, tmp_path, timeout=300)
+    assert all(p == plans[0] for p in plans), plans
+    # top-k, measured slower than the old dense step: one window all dense, which now costs more still, and
+    # top-k again
+    assert [p[0] for p in plans[0]] == ["topk", "dense", "topk", "topk"], plans[0]
 
 
 def _slow_sparse_reverts(rank: int, world: int) -> list[list[str]]:

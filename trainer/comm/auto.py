@@ -24,10 +24,12 @@ a bucket whose exchange hides behind backward stays dense. Densities below `comm
 safe bound) are never candidates.
 
 Trial: when the model's plan is not all dense, it and the fastest uniform plans the model predicts faster than
-all dense (one candidate on every bucket; at most `MAX_TRIALS` plans) each run `comm.trial_steps` steps, timed.
-The one that measured fastest is kept if it beat the calibration's all-dense steps by the choice's margin,
-else every bucket goes back to dense. The model is fitted from probes taken apart from backward; a trial is
-what a plan costs inside the step (on a CPU the sparse local work competes with backward for the cores).
+all dense (one candidate on every bucket; at most `MAX_TRIALS` plans), then all dense, each run
+`comm.trial_steps` steps, timed. The plan that measured fastest is kept if it beat the all-dense trial by the
+choice's margin, else every bucket goes back to dense: both are measured the same way, after the warm-up (the
+calibration's own dense steps pay first touches and run beside the probes). The model is fitted from probes
+taken apart from backward; a trial is what a plan costs inside the step (on a CPU the sparse local work
+competes with backward for the cores).
 
 Drift: the last steps (`WINDOW`) before every `redecide_every`-th are timed; the ready times follow them.
 Rank 0 then decides and broadcasts, in one call. The links have moved when the largest bucket's measured
@@ -37,7 +39,9 @@ plan the model's link scale follows the ratio and the plan is re-decided; a new 
 is predicted `hysteresis` faster. Under a sparse plan the next window runs all dense first, so that the
 decision and the guard below start from what dense costs on the links as they are now.
 Never slower than dense: when a plan that is not all dense measures (median over the window) more than
-`hysteresis` slower than the last measured all-dense window, every bucket goes back to dense; no link change
+`hysteresis` slower than the last measured all-dense window, the next window runs all dense, to compare on the
+same links and the same backward (a longer backward, e.g. a larger image size, lengthens both). The plan
+comes back if it beat that window by the choice's margin; otherwise every bucket stays dense, no link change
 re-decides for `HOLD_CHECKS` checks, and after that dense is left only when the links move again. A link that
 gets faster under a sparse plan is seen only through the sparse chains (the allgathers in them), not by a
 fresh dense measurement: the sparse plan is kept against the older, slower dense baseline.
@@ -210,6 +214,9 @@ class AutoCommunicator(TopKCommunicator):
         """Rank 0: the last window's chains moved (True: slower, False: faster), not yet confirmed."""
         self._remeasure = False
         """Rank 0: the links moved under a sparse plan; the next window runs all dense to measure it."""
+        self._guarded: tuple[list[tuple[str, float]], float] | None = None
+        """Rank 0: a plan that measured slower than dense (as (kind, density) pairs) and its step cost, while the
+        next window measures all dense to compare."""
         self.sparse_delay_s = 0.0
         """Test hook: seconds of extra delay in every sparse exchange (a plan that measures slower than dense)."""
         self._options = lambda n: candidates(n, self.net_layout, cfg.densities, cfg.min_density, cfg.dense_below)
@@ -379,6 +386,10 @@ class AutoCommunicator(TopKCommunicator):
                 out[f"measured_ms/{b.index}"] = self._rows[-1][1][b.index] * 1e3
         return out
 
+    def trial_results(self) -> list[tuple[str, float]]:
+        """Rank 0: (plan summary, measured step cost in seconds) of each finished trial, all dense last."""
+        return [(plan_summary(plan), cost) for plan, (cost, _) in zip(self._trials, self._tried)]
+
     def pop_records(self) -> dict[str, float]:
         """The calibration (`calib/<key>`), once after it is measured."""
         out, self._unlogged = self._unlogged, {}
@@ -445,8 +456,8 @@ class AutoCommunicator(TopKCommunicator):
         if self.topo.is_main:
             print(self.table(chain), flush=True)
             if self._trials:
-                print(f"comm auto: trying {len(self._trials)} plan(s) for {self.cfg.trial_steps} steps each against "
-                      f"the measured all-dense steps ({self.dense_cost_s * 1e3:.1f} ms)", flush=True)
+                print(f"comm auto: trying {len(self._trials) - 1} plan(s), then all dense, {self.cfg.trial_steps} "
+                      "steps each", flush=True)
 
     def _decide(self) -> None:
         """Rank 0's plan and the plans to try, broadcast; the first of them from the next step on."""
@@ -454,8 +465,8 @@ class AutoCommunicator(TopKCommunicator):
         if self.topo.is_main:
             plans = [[(c.kind, c.density) for c in p] for p in self._trial_plans()]
         chosen = [[Choice(k, d) for k, d in p] for p in self.topo.world.broadcast_object(plans, src=0)]
-        # no trials: the model's plan (the first) is kept as it is
-        self._trials = chosen if self.cfg.trial_steps else []
+        # no trials: the model's plan (the first) is kept as it is; with trials, all dense is the last
+        self._trials = chosen + [[DENSE] * len(self.buckets)] if self.cfg.trial_steps and chosen else []
         self._trial_at, self._tried = 0, []
         self.set_plan(list(chosen[0]) if chosen else [DENSE] * len(self.buckets))
         self._trial_left = self.cfg.trial_steps if self._trials else 0
@@ -482,9 +493,9 @@ class AutoCommunicator(TopKCommunicator):
         return out
 
     def _end_trial(self) -> None:
-        """The running trial's measurements (max over ranks); after the last trial rank 0 keeps the plan that
-        measured fastest, if it beat the calibration's all-dense steps by the choice's margin, else all dense:
-        the model can be wrong where it matters most, inside the step on the device it has just fitted."""
+        """The running trial's measurements (max over ranks); after the last trial (all dense) rank 0 keeps the
+        plan that measured fastest, if it beat all dense by the choice's margin, else all dense: the model can be
+        wrong where it matters most, inside the step on the device it has just fitted."""
         _, chain, cost = self._gather_window()
         nb = len(self.buckets)
         if self.topo.is_main:
@@ -495,11 +506,12 @@ class AutoCommunicator(TopKCommunicator):
             self.set_plan(list(self._trials[self._trial_at]))
             self._trial_left = self.cfg.trial_steps
             return
-        pick = None
+        decision = None
         if self.topo.is_main:
-            best = min(range(len(self._tried)), key=lambda i: self._tried[i][0])
-            pick = best if self._tried[best][0] < (1 - MARGIN) * self.dense_cost_s else -1
-        pick = self.topo.world.broadcast_object(pick, src=0)
+            dense_cost = self._tried[-1][0]
+            best = min(range(len(self._tried) - 1), key=lambda i: self._tried[i][0])
+            decision = (best if self._tried[best][0] < (1 - MARGIN) * dense_cost else -1, dense_cost)
+        pick, self.dense_cost_s = self.topo.world.broadcast_object(decision, src=0)
         self.set_plan(list(self._trials[pick]) if pick >= 0 else [DENSE] * nb)
         if self.topo.is_main:
             self._reference_chain = self._tried[pick][1] if pick >= 0 else None  # the kept plan's measured window
@@ -601,6 +613,16 @@ class AutoCommunicator(TopKCommunicator):
         out = {"net_scale": scale, "plan": None, "message": "", "dense_cost_s": dense_cost,
                "dense_hold": max(self.dense_hold - 1, 0)}
         to_dense = [(DENSE.kind, DENSE.density)] * len(sizes)
+        if dense_now and self._guarded is not None:  # the all-dense window after a plan measured slower
+            plan, plan_cost = self._guarded
+            self._guarded = None
+            if plan_cost < (1 - MARGIN) * cost:
+                self._reference_chain = None
+                return {**out, "plan": plan, "message": f"comm auto: all dense measures {cost * 1e3:.1f} ms now, "
+                                                        f"the plan {plan_cost * 1e3:.1f} ms; back to it: "}
+            return {**out, "dense_hold": HOLD_CHECKS,
+                    "message": f"comm auto: all dense measures {cost * 1e3:.1f} ms now, the plan "
+                               f"{plan_cost * 1e3:.1f} ms; staying dense: "}
         if not dense_now and moved:
             self._remeasure, self._reference_chain = True, None
             return {**out, "plan": to_dense,
@@ -608,9 +630,10 @@ class AutoCommunicator(TopKCommunicator):
         # the guard needs its dense baseline on the same links: not while a move awaits its second window
         if not dense_now and cost > (1 + h) * dense_cost and self._moved_before is None:
             self._reference_chain = None
-            return {**out, "plan": to_dense, "dense_hold": HOLD_CHECKS,
+            self._guarded = ([(c.kind, c.density) for c in self.plan], cost)
+            return {**out, "plan": to_dense,
                     "message": f"comm auto: measured {cost * 1e3:.1f} ms against {dense_cost * 1e3:.1f} ms all "
-                               "dense; back to dense: "}
+                               "dense; one window all dense to compare: "}
         if not moved or out["dense_hold"] > 0:
             return out
         old, self.net.net_scale = self.net.net_scale, scale

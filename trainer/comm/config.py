@@ -38,8 +38,8 @@ class CommConfig:
     calibration_steps: int = 6
     """auto: dense steps it measures before deciding (at least 3; dense_warmup_steps when that is larger)."""
     trial_steps: int = 6
-    """auto: steps each plan on trial runs, timed, right after calibration; the fastest is kept only if it
-    measured faster than the calibration's all-dense steps (0: the model's plan is kept untried)."""
+    """auto: steps each plan on trial runs, timed, right after calibration, and all dense after them; the
+    fastest plan is kept only if it measured faster than all dense (0: the model's plan is kept untried)."""
     redecide_every: int = 50
     """auto: steps between drift checks (the measured exchange times against the current plan's first measured
     window; re-decided when they moved by more than `hysteresis`)."""
