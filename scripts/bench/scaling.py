@@ -13,7 +13,7 @@ tokens per rank) and the communicator of `comm.kind` exchanges the gradients, la
 from the backward hooks. "compute only" is the same step without exchange; comm ms = step - compute.
 A step is as slow as its slowest rank: the median over steps of the per-step maximum over ranks.
 
-All ranks share this machine's 2 cores, 1 thread each: compute times are those of a 4-way shared CPU,
+All ranks share this machine's cores, 1 thread each: compute times are those of a 4-way shared CPU,
 and intra-node exchanges are memory copies competing with them. What transfers to a real cluster is the
 shape of the trade-off (bytes over the slow links, how much of it backward hides), not absolute times.
 
@@ -602,7 +602,8 @@ def predict_cell(source: dict[str, Any], model: str, target: dict[str, Any], den
     """Step seconds of every exchange in the `target` run, predicted out of sample from the `source` run of the
     same layout: its auto calibration (links, contention, selection cost, ready times) and compute-only step,
     with the node-crossing links scaled by the ratio of the two nominal rates. Nothing measured in the
-    target run is used."""
+    target run is used. "auto" is the model's plan there: which plan auto's trials keep is measured, not
+    predicted."""
     from trainer.comm.auto import candidates, choose, network_from_calibration, predict
     from scripts.plan import BENCH_KINDS, fixed_plan, rate_bps  # imports torch: the parent's last step only
     from trainer.comm.cost import Choice, Layout, with_inter_rate
@@ -640,6 +641,7 @@ def make_cells(runs: list[dict[str, Any]], density: float) -> list[dict[str, Any
                 "auto_vs_dense": round(steps["auto"] / steps["dense"], 3), "auto_plan": m["auto"]["plan"],
                 "auto_plan_summary": m["auto"]["plan_summary"],
                 "auto_predicted_exposed_ms": round(m["auto"]["predicted_exposed_s"] * 1e3, 1),
+                "auto_trials_ms": m["auto"].get("trials", []), "commit": run.get("commits", {}).get(model, ""),
                 # the spread: auto's step over the best fixed one's in the same round (interleaved), per round
                 "auto_vs_best_rounds": quartiles([a / b for a, b in zip(ex["auto"]["steps_s"], ex[best]["steps_s"])])}
             sources = [r for r in runs if (r["nodes"], r["ranks_per_node"]) == (run["nodes"], run["ranks_per_node"])

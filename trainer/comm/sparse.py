@@ -174,7 +174,8 @@ class TopKCommunicator(ExchangeCommunicator):
 
     def select_and_exchange(self, index: int, shard: torch.Tensor, what: str, inter: Group | None,
                             density: float) -> torch.Tensor:
-        """Residual add, top-k, sparse allgather among this local rank's peers on other nodes; the sum."""
+        """Residual add, top-k, sparse allgather among this local rank's peers on other nodes; the sum, written
+        over `shard` when it is fp32 (the dtype of the payloads)."""
         if inter is None:  # one node: nothing crosses a slow link, the shard is already the full sum
             return shard
         size = shard.numel()
@@ -203,7 +204,7 @@ class TopKCommunicator(ExchangeCommunicator):
             payload = pack(acc.new_full((k,), float("nan")), torch.arange(k, device=acc.device))
         self.count(select_s=time.perf_counter() - start, sent_elements=k, selected_from=size)
         gathered = inter.all_gather(payload, f"inter-node sparse allgather of {what}")
-        # acc holds everything the shard held: the sum is written over the shard (no buffer of its own)
+        # acc has taken the shard's values: the sum is written over the shard
         return scatter_payloads(gathered, inter.size, size, shard if shard.dtype == gathered.dtype else None)
 
     def begin_step(self) -> None:

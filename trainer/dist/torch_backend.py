@@ -191,7 +191,7 @@ def elastic_attempt_store(world: int, timeout_s: float) -> Any | None:
 
     torchrun keeps one TCPStore for all restarts of a job and torch does not separate their keys, so a
     restarted job can read the dead attempt's gloo/NCCL addresses and hang in init_process_group
-    (measured here with torch 2.14; pytorch/pytorch#135712). The restart count names the attempt.
+    (torch 2.14; upstream: pytorch/pytorch#135712). The restart count names the attempt.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
