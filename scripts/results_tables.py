@@ -166,7 +166,9 @@ def scaling(r: dict[str, Any]) -> list[str]:
                     "auto / best per round: median (IQR)", "auto / dense", "auto's plan (buckets)", "planner error"], rows), "",
             f"Auto within 5% of the best fixed exchange in every cell: **{r['auto_within_5pct_of_best']}**; never "
             f"more than 5% slower than dense: **{r['auto_never_5pct_slower_than_dense']}**; planner out of sample, "
-            f"largest error: {'-' if oos is None else f'{100 * oos:.0f}%'}."]
+            f"largest error: {'-' if oos is None else f'{100 * oos:.0f}%'}. Cells measured at commit "
+            + ", ".join(f"`{c}`" for c in sorted({c.get("commit", "") for c in r["cells"]}) if c)
+            + " (each cell's `commit`; a `--resume` run writes the file from saved cells)."]
 
 
 def ratio_or_none(value: float | None) -> str:
