@@ -179,6 +179,27 @@ def _run_steps(comm: AutoCommunicator, model: Params, rank: int, steps: int) -> 
         comm.finish()
 
 
+def _one_rank_selects_slowly(rank: int, world: int) -> list[str]:
+    """The plan on a slow link when rank 1 alone selects slowly: on its own measurements rank 1 would keep
+    the large bucket dense and every other rank would make it sparse."""
+    topo = setup_distributed(DistConfig(ranks_per_node=1))
+    cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3,
+                     densities=[0.01], min_density=0.01, trial_steps=0)
+    model = Params([BIG, 3000])
+    comm = build_communicator(cfg, model, topo)
+    comm.inter_delay_s_per_mb, comm.sparse_delay_s = 0.3, (5.0 if rank == 1 else SELECTION_S)
+    _run_steps(comm, model, rank, cfg.calibration_steps)
+    comm.detach()
+    return [c.kind for c in reversed(comm.plan)]
+
+
+def test_ranks_that_measure_differently_still_take_the_same_decision(tmp_path):
+    plans = run_ranks(_one_rank_selects_slowly, 4, tmp_path, timeout=300)
+    assert all(p == plans[0] for p in plans), plans
+    # the slowest rank bounds the step: its slow selection keeps the large bucket dense for everyone
+    assert plans[0][0].startswith("dense"), plans
+
+
 def _live_link_change(rank: int, world: int, delays_s_per_mb: list[float], trial_steps: int) -> list[list[str]]:
     """The plan once calibrated (and tried), then after each window, the link's delay per MB set per window."""
     topo = setup_distributed(DistConfig(ranks_per_node=1))
