@@ -28,7 +28,7 @@ Needs root (network namespaces); prints why and a JSON line with "skipped" other
 
     sudo .venv/bin/python -m scripts.bench.scaling [--quick] [--density 0.01] [--out runs/scaling]
 
---quick: ResNet-50 only, 6 measured steps per cell; full: both models, 8 steps (`--steps` sets it).
+--quick: ResNet-50 only, 4 measured steps per cell (a smoke run); full: both models, 8 steps (`--steps` sets it).
 Each model runs in its own processes; every (layout, rate, model) is saved to OUT/cells/ when it is done,
 and `--resume` reuses the saved cells of the same steps and density (their commit is printed and kept).
 """
@@ -684,7 +684,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="runs/scaling", help="directory for calibration.json and scaling.png")
     parser.add_argument("--models", default="", help="comma-separated subset of resnet50,transformer "
                                                      "(default: both; --quick: resnet50)")
-    parser.add_argument("--steps", type=int, default=0, help="measured steps per cell (default 8; --quick 6)")
+    parser.add_argument("--steps", type=int, default=0, help="measured steps per cell (default 8; --quick 4)")
     parser.add_argument("--resume", action="store_true",
                         help="reuse the cells already measured in OUT/cells (same steps and density)")
     parser.add_argument("--worker", metavar="OUT_JSON", help=argparse.SUPPRESS)  # one rank, under run.sh
@@ -694,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     record_run(args)
     if not 0 < args.density <= 1:
         parser.error(f"--density must be in (0, 1], got {args.density}")
-    steps = args.steps or (6 if args.quick else 8)
+    steps = args.steps or (4 if args.quick else 8)
     if args.worker:
         args.worker_out, args.steps = args.worker, steps
         run_worker(args)
