@@ -176,12 +176,49 @@ def ratio_or_none(value: float | None) -> str:
 
 
 def tta(r: dict[str, Any]) -> list[str]:
-    rows = [[seed, ratio_or_none(ratio)] for seed, ratio in zip(r.get("seeds", []), r.get("ratios", []))]
+    def cell(seconds: float | None, epochs: int | None) -> str:
+        return "missed" if seconds is None else f"{seconds:.1f} (epoch {epochs})"
+
+    rows = [[seed, cell(bs, be), cell(rs, re_), ratio_or_none(ratio)]
+            for seed, bs, be, rs, re_, ratio in zip(r["seeds"], r["baseline_s"], r["baseline_epochs"],
+                                                    r["recipe_s"], r["recipe_epochs"], r["ratios"])]
     low, high = (r.get("interval") or [None, None])[:2]
     tail = (f"; bootstrap {100 * r.get('interval_level', 0.9):.0f}% interval {ratio_or_none(low)} to "
             f"{ratio_or_none(high)}" if low is not None and high is not None else "")
-    return [*table(["fresh seed", "recipe / baseline time to target"], rows), "",
+    return [*table(["fresh seed", "baseline s to target", "recipe s to target", "recipe / baseline"], rows), "",
+            f"Target: {100 * r['target_top1']:g}% top-1 at {r['target_consecutive']} evaluations in a row. "
             f"Median of the paired ratios: **{ratio_or_none(r.get('ratio'))}**{tail}."]
+
+
+def override_text(item: str) -> str:
+    """A tuning override as a table cell; a phase table as its image sizes and epochs."""
+    key, _, value = item.partition("=")
+    if key == "schedule.phases":
+        import yaml
+
+        phases = yaml.safe_load(value)
+        return "phases " + ", ".join(f"{p['image_size']} px ep. {p['start_epoch']}-{p['end_epoch']}" for p in phases)
+    return f"`{item}`"
+
+
+def tta_tuning(runs: list[dict[str, Any]], target: float, consecutive: int) -> list[str]:
+    """Every tuning run, read at the bench's target from its curve (a run may have had a higher stop target)."""
+    from scripts.tta_baseline import target_reached_at
+
+    rows = []
+    for run in runs:
+        at = target_reached_at(run["top1"], target, consecutive)
+        rows.append([run["date"][:16].replace("T", " "), run["side"],
+                     "<br>".join(override_text(o) for o in run["overrides"]) or "the config at its commit", run["seed"],
+                     f"{100 * run['top1'][-1]:.1f}% after {run['epochs_run']}",
+                     "missed" if at is None else f"{run['elapsed_s'][at]:.1f} (epoch {at + 1})",
+                     f"{run['load_before']:.1f} → {run['load_after']:.1f}"])
+    return [*table(["date (UTC)", "side", "overrides", "seed", "last top-1", f"s to {100 * target:g}% x "
+                    f"{consecutive}", "load (1 min)"], rows), "",
+            f"From [`docs/results/tta_tuning.json`](results/tta_tuning.json): {len(runs)} tuning runs, each with "
+            "its commit and CPU, appended by `python -m scripts.bench.tta --tune SIDE --set KEY=VALUE`. A run itself "
+            "loads this 2-core box to about 2; the times of runs that started far above it (other jobs) are not "
+            "comparable, their curves are."]
 
 
 SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
@@ -239,12 +276,24 @@ def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
     """The generated text of the block `<!-- results:NAME -->`."""
     if name == "summary":
         return summary(results_dir)
+    if name == "tta_tuning":
+        return render_tuning(results_dir)
     if name not in TABLES:
-        raise ResultsError(f"results:{name}: no such table (known: summary, {', '.join(TABLES)})")
+        raise ResultsError(f"results:{name}: no such table (known: summary, tta_tuning, {', '.join(TABLES)})")
     if not (results_dir / f"{name}.json").exists():
         return f"_No result file yet: `python -m scripts.bench.{name}` writes `docs/results/{name}.json`._\n"
     record = load(results_dir, name)
     return "\n".join([*TABLES[name](record["result"]), "", provenance(name, record)]) + "\n"
+
+
+def render_tuning(results_dir: Path) -> str:
+    """The TTA tuning history, read at the target of the bench as it is now."""
+    from scripts.bench.tta import TARGET_CONSECUTIVE, TARGET_TOP1
+
+    path = results_dir / "tta_tuning.json"
+    if not path.exists():
+        return "_No tuning run yet: `python -m scripts.bench.tta --tune SIDE` writes `docs/results/tta_tuning.json`._\n"
+    return "\n".join(tta_tuning(json.loads(path.read_text()), TARGET_TOP1, TARGET_CONSECUTIVE)) + "\n"
 
 
 def regenerate(text: str, results_dir: Path = RESULTS_DIR) -> tuple[str, list[str]]:

@@ -146,15 +146,20 @@ def test_auto_reads_the_residual_layout_of_a_topk_and_a_hitopk_state(tmp_path):
     assert hitopk and set(hitopk.values()) == {"hitopk"}, hitopk
 
 
+def _auto_comm(topo, **overrides) -> tuple[CommConfig, Params, AutoCommunicator]:
+    """An auto communicator over Params([BIG, 3000]): one bucket above dense_below (the large one), one below."""
+    cfg = CommConfig(**{"kind": "auto", "bucket_mb": BIG * 4 / 2**20, "dense_below": 16384, "calibration_steps": 3,
+                        "densities": [0.01], "min_density": 0.01, **overrides})
+    model = Params([BIG, 3000])
+    return cfg, model, build_communicator(cfg, model, topo)
+
+
 def _decide_with_links(rank: int, world: int, per_node: int) -> list[list[str]]:
     """The plan (parameter order) with a slow inter-node link, then with the fast local one."""
     topo = setup_distributed(DistConfig(ranks_per_node=per_node))
-    cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3,
-                     densities=[0.01], min_density=0.01, trial_steps=0)
     plans = []
     for delay_s_per_mb in (0.3, 0.0):
-        model = Params([BIG, 3000])
-        comm = build_communicator(cfg, model, topo)
+        cfg, model, comm = _auto_comm(topo, trial_steps=0)
         comm.inter_delay_s_per_mb, comm.sparse_delay_s = delay_s_per_mb, SELECTION_S
         for step in range(cfg.calibration_steps):
             backward_with(model, grads_of(rank, step, [BIG, 3000]))
@@ -183,10 +188,7 @@ def _one_rank_selects_slowly(rank: int, world: int) -> list[str]:
     """The plan on a slow link when rank 1 alone selects slowly: on its own measurements rank 1 would keep
     the large bucket dense and every other rank would make it sparse."""
     topo = setup_distributed(DistConfig(ranks_per_node=1))
-    cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3,
-                     densities=[0.01], min_density=0.01, trial_steps=0)
-    model = Params([BIG, 3000])
-    comm = build_communicator(cfg, model, topo)
+    cfg, model, comm = _auto_comm(topo, trial_steps=0)
     comm.inter_delay_s_per_mb, comm.sparse_delay_s = 0.3, (5.0 if rank == 1 else SELECTION_S)
     _run_steps(comm, model, rank, cfg.calibration_steps)
     comm.detach()
@@ -203,11 +205,8 @@ def test_ranks_that_measure_differently_still_take_the_same_decision(tmp_path):
 def _live_link_change(rank: int, world: int, delays_s_per_mb: list[float], trial_steps: int) -> list[list[str]]:
     """The plan once calibrated (and tried), then after each window, the link's delay per MB set per window."""
     topo = setup_distributed(DistConfig(ranks_per_node=1))
-    cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3,
-                     redecide_every=3, densities=[0.01], min_density=0.01, trial_steps=trial_steps,
-                     hysteresis=0.5)  # the link changes are x3 and more; 3-step windows of ~20 ms steps are noisy
-    model = Params([BIG, 3000])
-    comm = build_communicator(cfg, model, topo)
+    # hysteresis: the link changes are x3 and more; 3-step windows of ~20 ms steps are noisy
+    cfg, model, comm = _auto_comm(topo, redecide_every=3, trial_steps=trial_steps, hysteresis=0.5)
     comm.sparse_delay_s = SELECTION_S
     plans = []
     for delay_s_per_mb in delays_s_per_mb:
@@ -248,12 +247,9 @@ def _tried_plans(rank: int, world: int) -> list[list[str]]:
     """The plan after calibration on a slow link and after the trials: as modelled, then with the sparse
     exchange made far slower than the model's probes saw (a model that is wrong)."""
     topo = setup_distributed(DistConfig(ranks_per_node=1))
-    cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3, trial_steps=3,
-                     densities=[0.01], min_density=0.01)
     plans = []
     for extra_s in (0.0, 1.0):
-        model = Params([BIG, 3000])
-        comm = build_communicator(cfg, model, topo)
+        cfg, model, comm = _auto_comm(topo, trial_steps=3)
         comm.inter_delay_s_per_mb, comm.sparse_delay_s = 0.3, SELECTION_S
         _run_steps(comm, model, rank, cfg.calibration_steps)
         plans.append([c.kind for c in reversed(comm.plan)])
@@ -278,10 +274,7 @@ def test_the_model_s_plan_is_tried_with_others_and_kept_only_if_it_measures_fast
 def _link_faster_after_calibration(rank: int, world: int) -> list[list[str]]:
     """Calibrated on a slow link (the model picks top-k), which is fast again during the trials."""
     topo = setup_distributed(DistConfig(ranks_per_node=1))
-    cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3, trial_steps=3,
-                     densities=[0.01], min_density=0.01)
-    model = Params([BIG, 3000])
-    comm = build_communicator(cfg, model, topo)
+    cfg, model, comm = _auto_comm(topo, trial_steps=3)
     comm.inter_delay_s_per_mb, comm.sparse_delay_s = 0.3, SELECTION_S
     _run_steps(comm, model, rank, cfg.calibration_steps)
     plans = [[c.kind for c in reversed(comm.plan)]]
@@ -307,11 +300,8 @@ def _longer_backward(rank: int, world: int) -> list[list[str]]:
     import time
 
     topo = setup_distributed(DistConfig(ranks_per_node=1))
-    cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3, trial_steps=3,
-                     redecide_every=3, densities=[0.01], min_density=0.01,
-                     hysteresis=0.5)  # a noisy chain must not count as a link move, which defers the guard
-    model = Params([BIG, 3000])
-    comm = build_communicator(cfg, model, topo)
+    # hysteresis: a noisy chain must not count as a link move, which defers the guard
+    cfg, model, comm = _auto_comm(topo, trial_steps=3, redecide_every=3, hysteresis=0.5)
     comm.inter_delay_s_per_mb, comm.sparse_delay_s = 0.3, SELECTION_S
     while not comm.calibrated:
         _run_steps(comm, model, rank, 1)
@@ -337,10 +327,7 @@ def _slow_sparse_reverts(rank: int, world: int) -> list[list[str]]:
     """A sparse plan that measures slower than all dense goes back to dense, and a link change during the hold
     does not make it leave dense."""
     topo = setup_distributed(DistConfig(ranks_per_node=1))
-    cfg = CommConfig(kind="auto", bucket_mb=BIG * 4 / 2**20, dense_below=16384, calibration_steps=3,
-                     redecide_every=3, densities=[0.01], min_density=0.01, trial_steps=0)
-    model = Params([BIG, 3000])
-    comm = build_communicator(cfg, model, topo)
+    cfg, model, comm = _auto_comm(topo, redecide_every=3, trial_steps=0)
     _run_steps(comm, model, rank, cfg.calibration_steps)
     comm.set_plan([Choice("topk", 0.01) if b.numel >= cfg.dense_below else DENSE for b in comm.buckets])
     comm.sparse_delay_s = 0.3  # sparse far slower than the calibration's probes said

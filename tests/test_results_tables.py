@@ -31,7 +31,7 @@ def test_readme_has_the_summary_and_links_only_inside_the_repository() -> None:
     readme = (REPO / "README.md").read_text()
     assert "<!-- results:summary -->" in readme
     assert "../" not in readme and not re.search(r"issue\s*#?\d", readme, re.I)
-    assert len(readme.splitlines()) <= 160
+    assert len(readme.splitlines()) <= 155
 
 
 @pytest.fixture
@@ -94,3 +94,26 @@ def test_every_table_renders_from_the_committed_files() -> None:
     for path in RESULTS_DIR.glob("*.json"):
         if ".quick" not in path.name and path.stem in results_tables.TABLES:
             assert f"docs/results/{path.stem}.json" in render(path.stem)
+
+
+def test_tuning_runs_are_read_at_the_bench_target_from_their_curves(tmp_path: Path) -> None:
+    from scripts.bench.tta import TARGET_CONSECUTIVE, TARGET_TOP1
+
+    def run(side: str, top1: list[float], overrides: list[str]) -> dict:
+        return {"date": "2026-12-02T07:00:00Z", "side": side, "overrides": overrides, "seed": 0, "top1": top1,
+                "elapsed_s": [10.0 * (i + 1) for i in range(len(top1))], "epochs_run": len(top1),
+                "load_before": 0.5, "load_after": 2.1}
+
+    high, low = TARGET_TOP1 + 0.01, TARGET_TOP1 - 0.01
+    lucky = [low] * 3 + [high] + [low] * 3  # one evaluation above: not a crossing
+    steady = [low] * 2 + [high] * TARGET_CONSECUTIVE + [low]
+    phases = ("schedule.phases=[{start_epoch: 0, end_epoch: 2, image_size: 24}, "
+              "{start_epoch: 2, end_epoch: 5, image_size: 40}]")
+    (tmp_path / "tta_tuning.json").write_text(json.dumps([run("recipe", lucky, ["optim.lr=0.4"]),
+                                                          run("baseline", steady, [phases])]))
+    text = render("tta_tuning", tmp_path)
+    lucky_row, steady_row = [line for line in text.splitlines() if line.startswith("| 2026")]
+    assert "missed" in lucky_row and "`optim.lr=0.4`" in lucky_row
+    assert f"{10.0 * (2 + TARGET_CONSECUTIVE):.1f} (epoch {2 + TARGET_CONSECUTIVE})" in steady_row
+    assert "phases 24 px ep. 0-2, 40 px ep. 2-5" in steady_row
+    assert "No tuning run yet" in render("tta_tuning", tmp_path / "empty")
