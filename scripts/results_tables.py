@@ -182,12 +182,16 @@ def tta(r: dict[str, Any]) -> list[str]:
     rows = [[seed, cell(bs, be), cell(rs, re_), ratio_or_none(ratio)]
             for seed, bs, be, rs, re_, ratio in zip(r["seeds"], r["baseline_s"], r["baseline_epochs"],
                                                     r["recipe_s"], r["recipe_epochs"], r["ratios"])]
-    low, high = (r.get("interval") or [None, None])[:2]
-    tail = (f"; bootstrap {100 * r.get('interval_level', 0.9):.0f}% interval {ratio_or_none(low)} to "
-            f"{ratio_or_none(high)}" if low is not None and high is not None else "")
+    low, high = ("unbounded" if x is None else f"{x:.3f}" for x in r["interval"])
+    left_out = (f" Seeds {r['both_missed']}: both sides missed, left out of the median." if r["both_missed"] else "")
     return [*table(["fresh seed", "baseline s to target", "recipe s to target", "recipe / baseline"], rows), "",
-            f"Target: {100 * r['target_top1']:g}% top-1 at {r['target_consecutive']} evaluations in a row. "
-            f"Median of the paired ratios: **{ratio_or_none(r.get('ratio'))}**{tail}."]
+            f"Target: {100 * r['target_top1']:g}% top-1 at {r['target_consecutive']} evaluations in a row. Median "
+            f"of the {r['seeds_in_median']} paired ratios: **{ratio_or_none(r['ratio'])}**; bootstrap "
+            f"{100 * r['interval_level']:.0f}% interval {low} to {high}.{left_out} The recipe ran in "
+            f"{r['recipe_precision']}."]
+
+
+QUIET_LOAD = 4.0  # a 1-min load average below it at a tuning run's start: no other job was running
 
 
 def override_text(item: str) -> str:
@@ -208,22 +212,25 @@ def tta_tuning(runs: list[dict[str, Any]], target: float, consecutive: int) -> l
     rows = []
     for run in runs:
         at = target_reached_at(run["top1"], target, consecutive)
-        rows.append([run["date"][:16].replace("T", " "), run["side"],
-                     "<br>".join(override_text(o) for o in run["overrides"]) or "the config at its commit", run["seed"],
+        rows.append([run["date"][:16].replace("T", " "), f"`{run['commit'][:7]}`", run["side"],
+                     "<br>".join(override_text(o) for o in run["overrides"]) or "none", run["seed"],
                      f"{100 * run['top1'][-1]:.1f}% after {run['epochs_run']}",
                      "missed" if at is None else f"{run['elapsed_s'][at]:.1f} (epoch {at + 1})",
                      f"{run['load_before']:.1f} → {run['load_after']:.1f}"])
-    return [*table(["date (UTC)", "side", "overrides", "seed", "last top-1", f"s to {100 * target:g}% x "
-                    f"{consecutive}", "load (1 min)"], rows), "",
-            f"From [`docs/results/tta_tuning.json`](results/tta_tuning.json): {len(runs)} tuning runs, each with "
-            "its commit and CPU, appended by `python -m scripts.bench.tta --tune SIDE --set KEY=VALUE`. A run itself "
-            "loads this 2-core box to about 2; the times of runs that started far above it (other jobs) are not "
-            "comparable, their curves are."]
+    counts = "; ".join(f"{side}: {sum(r['side'] == side for r in runs)} runs, "
+                       f"{sum(r['side'] == side and r['load_before'] < QUIET_LOAD for r in runs)} of them alone"
+                       for side in sorted({r["side"] for r in runs}))
+    return [*table(["date (UTC)", "commit", "side", "overrides", "seed", "last top-1",
+                    f"s to {100 * target:g}% x {consecutive}", "load (1 min)"], rows), "",
+            f"From [`docs/results/tta_tuning.json`](results/tta_tuning.json), appended by `python -m scripts.bench.tta "
+            f"--tune SIDE --set KEY=VALUE`: {counts} (started at a 1-minute load below {QUIET_LOAD:g}; a run itself "
+            "loads the 2-core box to about 2). The times of runs started under other jobs' load are not comparable; "
+            "their curves are. Without overrides a run is the side's config at that commit."]
 
 
 SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "tta": ("time to accuracy, recipe / tuned torchvision-reference baseline, fresh seeds",
-            lambda r: f"{ratio_or_none(r.get('ratio'))} (median of {len(r.get('ratios', []))} seeds)"),
+            lambda r: f"{ratio_or_none(r['ratio'])} (median of {r['seeds_in_median']} seeds)"),
     "topk": ("MSTopK speed-up over torch.topk, gradients of a real training step, k = 0.1%, equal threads",
              lambda r: f"{r['arch']}: {times(r['ratio_1thread'])} (1 thread), {times(r['ratio_2threads'])} (2), "
                        f"recall {r['recall_real_gradients']:.4f}"),

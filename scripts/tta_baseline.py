@@ -13,8 +13,8 @@ its names and defaults: `--lr`, `--epochs`, `--lr-warmup-epochs` (0), `--lr-warm
 autocast, so its users train in fp32 on a CPU, as this script does.
 
 Memory format: contiguous (NCHW) tensors by default, as the reference, which has no memory-format flag;
-`--channels-last` converts the model and every batch to channels-last (NHWC strides), a choice the bench's
-tuning sweep tries. The frozen choice is the one in configs/tta_baseline_cpu.yaml.
+`--channels-last` converts the model and every batch to channels-last (NHWC strides). The frozen choice is the
+one in configs/tta_baseline_cpu.yaml.
 
 `--config FILE`: a YAML mapping of this script's options (names as on the command line, without the dashes) that
 replaces the defaults; options given on the command line win. The bench's frozen baseline is such a file.

@@ -32,6 +32,9 @@ def test_readme_has_the_summary_and_links_only_inside_the_repository() -> None:
     assert "<!-- results:summary -->" in readme
     assert "../" not in readme and not re.search(r"issue\s*#?\d", readme, re.I)
     assert len(readme.splitlines()) <= 155
+    # the first screen says what has run on GPUs, before any instructions
+    first_screen = "\n".join(readme.splitlines()[:25])
+    assert "| **GPUs** |" in first_screen and readme.index("| **GPUs** |") < readme.index("## Quickstart")
 
 
 @pytest.fixture

@@ -77,6 +77,17 @@ def test_compare_pairs_runs_by_seed_not_by_rank():
     assert low <= 0.4 <= high and low >= 0.15 and high <= 0.5
 
 
+def test_compare_takes_the_median_of_an_even_number_of_seeds_and_leaves_out_seeds_both_missed():
+    times = {100: (100.0, 30.0), 101: (100.0, 50.0), 102: (100.0, 70.0), 103: (100.0, 90.0), 104: (100.0, 10.0),
+             105: (100.0, 40.0)}
+    runs = [run(side, seed, t) for seed, (b, r) in times.items() for side, t in (("baseline", b), ("recipe", r))]
+    runs += [run("baseline", 106, None), run("recipe", 106, None)]
+    result = compare(runs)
+    # ratios 0.1 0.3 0.4 0.5 0.7 0.9: the mean of the middle two, not either of them
+    assert result["ratio"] == 0.45 and result["seeds_in_median"] == 6 and result["both_missed"] == [106]
+    assert result["ratios"][-1] is None
+
+
 def test_compare_with_a_missed_seed():
     runs = [run("baseline", 100, 100.0), run("recipe", 100, None), run("baseline", 101, 100.0),
             run("recipe", 101, 30.0), run("baseline", 102, 100.0), run("recipe", 102, 40.0)]
@@ -127,15 +138,19 @@ def test_both_sides_evaluate_the_same_pixels(photos, tmp_path):
     """The recipe's validation batches (DALI, through the cache, at the frozen config's sizes) equal the
     baseline's (PIL + torchvision transforms) image by image."""
     pytest.importorskip("nvidia.dali")
-    from data.cache import CacheConfig
-    from data.config import DataConfig
     from data.dali_loader import DaliImageData
+    from recipes.resnet50 import Config
+    from trainer.config import load_config
 
-    recipe = yaml.safe_load((ROOT / tta.RECIPE_CONFIG).read_text())
-    val_size = recipe["schedule"]["phases"][-1]["val_image_size"]
-    cfg = DataConfig(root=str(photos), workers=1, cache=CacheConfig(
-        dir=str(tmp_path / "cache"), ram=False, lowres_max_image_size=recipe["data"]["cache"]["lowres_max_image_size"]))
-    data = DaliImageData(cfg, rank=0, world_size=1, seed=0)
+    # the frozen config as the bench runs it (its sizes, normalization, layout, dtype, cache levels), with the
+    # bench's own folders
+    recipe = load_config(Config, str(ROOT / tta.RECIPE_CONFIG),
+                         [f"data.root={photos}", f"data.cache.dir={tmp_path / 'cache'}", "data.cache.ram=false"])
+    # one evaluation size in every phase, above the low-res level's: validation decodes the PNGs themselves
+    assert len({p.val_image_size for p in recipe.schedule.phases}) == 1
+    assert recipe.schedule.phases[0].val_image_size > recipe.data.cache.lowres_max_image_size
+    val_size = recipe.schedule.phases[-1].val_image_size
+    data = DaliImageData(recipe.data, rank=0, world_size=1, seed=0)
     batches = list(data.val_loader(val_size, 5))
     dali, dali_labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     args = tta_baseline.parse_args(["--config", tta.BASELINE_CONFIG, f"--data-path={photos}", "--workers=0"])
@@ -288,11 +303,14 @@ def test_a_failed_launch_shows_the_command_status_and_log_tail(tmp_path):
 
 def test_tuning_history_is_data(tmp_path):
     path = tmp_path / "tuning.json"
-    tta.append_tuning([run("baseline", 0, 50.0)], "baseline", ["lr=0.1"], 0.9, 2, path)
-    tta.append_tuning([run("baseline", 1, None)], "baseline", ["lr=0.1"], 0.9, 2, path)
+    tta.append_tuning([run("baseline", 0, 50.0)], "baseline", ["lr=0.1"], 0.9, 2, "fp32", path)
+    tta.append_tuning([run("recipe", 1, None)], "recipe", ["optim.lr=0.1"], 0.9, 2, "bf16", path)
     history = json.loads(path.read_text())
     assert [(h["seed"], h["time_to_target_s"], h["overrides"]) for h in history] == [(0, 50.0, ["lr=0.1"]),
-                                                                                    (1, None, ["lr=0.1"])]
+                                                                                    (1, None, ["optim.lr=0.1"])]
+    # the config file the overrides applied to, as it was, and the precision each side trained in
+    assert history[0]["config"]["file"] == tta.BASELINE_CONFIG and history[0]["precision"] == "fp32"
+    assert history[1]["config"] == tta.configs()["recipe_config"] and history[1]["precision"] == "bf16"
 
 
 # ---------------------------------------------------------------- the frozen configs
@@ -325,7 +343,9 @@ def test_result_line_carries_both_configs():
 def test_result_of_finished_runs_keeps_complete_seeds_only(tmp_path):
     from dataclasses import asdict
 
-    for r in (run("baseline", 100, 50.0), run("recipe", 100, 20.0), run("recipe", 101, 30.0)):
+    # a complete fresh seed, an incomplete one, and a complete tuning seed (never part of a result)
+    for r in (run("baseline", 100, 50.0), run("recipe", 100, 20.0), run("recipe", 101, 30.0),
+              run("baseline", 0, 50.0), run("recipe", 0, 10.0)):
         (tmp_path / f"{r.side}_seed{r.seed}").mkdir()
         r.run_dir = str(tmp_path / f"{r.side}_seed{r.seed}")
         (Path(r.run_dir) / "run.json").write_text(json.dumps({**asdict(r), "target_top1": 0.9,

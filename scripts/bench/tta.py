@@ -16,15 +16,14 @@ the last of them, so one lucky epoch cannot cross it. Once a run has reached it 
 baseline stops itself; the recipe's trainer is stopped by the bench, after its epoch record is written).
 
 The sides, each a frozen config tuned on tuning seeds with the same number of runs (docs/results/tta_tuning.json
-holds every tuning run as data):
+holds every tuning run as data, with the flags each one changed):
   (a) baseline: scripts/tta_baseline.py --config configs/tta_baseline_cpu.yaml, the torchvision reference recipe
       (ImageFolder + DataLoader, PIL decodes every JPEG every epoch, one fixed image size, SGD + warm-up + cosine,
-      DDP dense allreduce, fp32: the reference's --amp is CUDA-only), swept over the reference's flags: lr,
-      epochs, --lr-warmup-epochs, --label-smoothing, --norm-weight-decay, memory format;
+      DDP dense allreduce, fp32: the reference's --amp is CUDA-only), tuned with the reference's flags;
   (b) recipe: `recipes.resnet50 --config configs/tta_recipe_cpu.yaml` (DALI CPU mode behind the multi-level cache,
       empty at the start of each run so its fill is timed; progressive resizing; LARS; label smoothing; hitopk),
-      swept over its lr, epochs, label smoothing and phase table; bf16 autocast only where the CPU computes bf16
-      natively (else train.amp=off: emulated bf16 is many times slower).
+      tuned with its config keys; bf16 autocast only where the CPU computes bf16 natively (else train.amp=off:
+      emulated bf16 is many times slower), so on such a CPU the sides differ in precision as well.
 
 Evaluation: fresh seeds (FRESH_SEEDS_FROM on; the tuning seeds are below it), the sides alternating which goes
 first from seed to seed so that drift in the machine's load falls on both; per seed the paired ratio recipe time
@@ -279,14 +278,14 @@ def run_side(side: str, seed: int, out: Path, target: float, consecutive: int, o
 
 def load_runs(out: Path) -> tuple[list[Run], float, int]:
     """The finished runs under `out` (each run folder's run.json, written when the run ended), with the target
-    they ran to; only seeds with both sides finished."""
+    they ran to; only fresh seeds with both sides finished."""
     docs = [json.loads(p.read_text()) for p in sorted(out.glob("*_seed*/run.json"))]
     if not docs:
         raise FileNotFoundError(f"{out}: no finished run (no */run.json)")
     targets = {(d.pop("target_top1"), d.pop("target_consecutive")) for d in docs}
     if len(targets) != 1:
         raise ValueError(f"{out}: runs with different targets {sorted(targets)}")
-    runs = [Run(**d) for d in docs]
+    runs = [Run(**d) for d in docs if d["seed"] >= FRESH_SEEDS_FROM]  # a tuning run is never evaluated
     sides = {}
     for r in runs:
         sides.setdefault(r.seed, set()).add(r.side)
@@ -319,7 +318,8 @@ def compare(runs: Sequence[Run]) -> dict[str, Any]:
     usable = [x for x in ratios if not math.isnan(x)]
     median = float(np.median(usable)) if usable else math.nan
     interval = bootstrap_interval(usable) if usable else (math.nan, math.nan)
-    return {"seeds": seeds, "ratios": [finite_or_none(x) for x in ratios],
+    return {"seeds": seeds, "ratios": [finite_or_none(x) for x in ratios], "seeds_in_median": len(usable),
+            "both_missed": [s for s, x in zip(seeds, ratios) if math.isnan(x)],
             "baseline_s": [by_seed[s]["baseline"].time_to_target_s for s in seeds],
             "recipe_s": [by_seed[s]["recipe"].time_to_target_s for s in seeds],
             "baseline_epochs": [by_seed[s]["baseline"].epochs_to_target for s in seeds],
@@ -340,10 +340,11 @@ def report(runs: Sequence[Run], result: dict[str, Any], target: float, consecuti
                      "-" if ratio is None else f"{ratio:.3f}", f"{b.load_before:.1f}/{b.load_after:.1f}",
                      f"{r.load_before:.1f}/{r.load_after:.1f}"])
     print_table(["seed", "first", "baseline s", "recipe s", "recipe/baseline", "load baseline", "load recipe"], rows)
-    low, high = result["interval"]
+    low, high = (("unbounded" if x is None else x) for x in result["interval"])
     print(f"time to {100 * target:g}% top-1 ({consecutive} evaluations in a row), recipe / baseline, median of "
-          f"{len(result['seeds'])} paired ratio(s): {result['ratio']}; bootstrap 90% interval [{low}, {high}]"
-          + (f"; missed: {', '.join(result['missed'])}" if result["missed"] else ""))
+          f"{result['seeds_in_median']} paired ratio(s): {result['ratio']}; bootstrap 90% interval [{low}, {high}]"
+          + (f"; missed: {', '.join(result['missed'])}" if result["missed"] else "")
+          + (f"; both sides missed (left out): seeds {result['both_missed']}" if result["both_missed"] else ""))
 
 
 def configs() -> dict[str, Any]:
@@ -358,9 +359,11 @@ def warm_page_cache(root: Path) -> int:
 
 
 def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], target: float,
-                  consecutive: int, path: Path = TUNING_FILE) -> Path:
-    """Append tuning runs to the tuning history (a JSON list), with the date, machine and commit."""
+                  consecutive: int, precision: str, path: Path = TUNING_FILE) -> Path:
+    """Append tuning runs to the tuning history (a JSON list), with the date, machine, commit, the side's config
+    file as it was (the overrides apply on top of it) and the recipe's precision."""
     history = json.loads(path.read_text()) if path.is_file() else []
+    config = configs()[f"{side}_config"]
     for r in records:
         history.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": common.commit(),
                         "cpu": common.machine()["cpu"], "side": side, "overrides": list(overrides), "seed": r.seed,
@@ -368,7 +371,8 @@ def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], t
                         "time_to_target_s": r.time_to_target_s, "epochs_to_target": r.epochs_to_target,
                         "best_top1": round(r.best_top1, 4), "epochs_run": r.epochs_run,
                         "top1": [round(x, 4) for x in r.top1], "elapsed_s": [round(x, 1) for x in r.elapsed_s],
-                        "load_before": r.load_before, "load_after": r.load_after})
+                        "load_before": r.load_before, "load_after": r.load_after, "config": config,
+                        "precision": precision if side == "recipe" else "fp32"})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(history, indent=1) + "\n")
     return path
@@ -429,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.tune is not None:
         runs = [run_side(args.tune, seed, out, args.target, args.consecutive, args.set, precision_overrides)
                 for seed in args.tuning_seeds]
-        path = append_tuning(runs, args.tune, args.set, args.target, args.consecutive)
+        path = append_tuning(runs, args.tune, args.set, args.target, args.consecutive, precision)
         line = {"bench": "tta-tuning", "side": args.tune, "overrides": args.set, "seeds": args.tuning_seeds,
                 "time_to_target_s": [r.time_to_target_s for r in runs], "history": str(path)}
         print(json.dumps(line))
