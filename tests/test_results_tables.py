@@ -103,7 +103,8 @@ def test_tuning_runs_are_read_at_the_bench_target_from_their_curves(tmp_path: Pa
     from scripts.bench.tta import TARGET_CONSECUTIVE, TARGET_TOP1
 
     def run(side: str, top1: list[float], overrides: list[str]) -> dict:
-        return {"date": "2026-12-02T07:00:00Z", "side": side, "overrides": overrides, "seed": 0, "top1": top1,
+        return {"date": "2026-12-02T07:00:00Z", "commit": "0123456789ab", "side": side, "overrides": overrides,
+                "seed": 0, "top1": top1,
                 "elapsed_s": [10.0 * (i + 1) for i in range(len(top1))], "epochs_run": len(top1),
                 "load_before": 0.5, "load_after": 2.1}
 
@@ -119,4 +120,5 @@ def test_tuning_runs_are_read_at_the_bench_target_from_their_curves(tmp_path: Pa
     assert "missed" in lucky_row and "`optim.lr=0.4`" in lucky_row
     assert f"{10.0 * (2 + TARGET_CONSECUTIVE):.1f} (epoch {2 + TARGET_CONSECUTIVE})" in steady_row
     assert "phases 24 px ep. 0-2, 40 px ep. 2-5" in steady_row
+    assert "`0123456`" in steady_row and "baseline: 1 runs, 1 of them alone; recipe: 1 runs, 1 of them alone" in text
     assert "No tuning run yet" in render("tta_tuning", tmp_path / "empty")
