@@ -63,11 +63,27 @@ def machine(record: dict[str, Any]) -> str:
     return f"{m['cpu']}, {m['cores']} cores ({flags})"
 
 
-def provenance(bench: str, record: dict[str, Any]) -> str:
+def load_span(record: dict[str, Any]) -> tuple[float, float] | None:
+    """The 1-min load average at the start and end of the measurement: of the bench's process, or, where the
+    result is made of separate training runs (the TTA bench), the lowest at a run's start and the highest at a
+    run's end, since the file may be written later from the runs' folders."""
+    runs = record["result"].get("runs") if isinstance(record.get("result"), dict) else None
+    if runs and all("load_before" in r for r in runs):
+        return min(r["load_before"] for r in runs), max(r["load_after"] for r in runs)
     load = record.get("load_avg_1min") or {}
+    return None if load.get("start") is None else (load["start"], load["end"])
+
+
+def provenance(bench: str, record: dict[str, Any]) -> str:
+    load = load_span(record)
     commit = record["commit"][:12] + ("+dirty" if record["commit"].endswith("+dirty") else "")
-    load_text = (f"; 1-min load average {load['start']:.1f} at the start, {load['end']:.1f} at the end"
-                 if load.get("start") is not None else "")
+    runs = "runs" in record["result"]
+    if load is None:
+        load_text = ""
+    elif runs:
+        load_text = f"; 1-min load average from {load[0]:.1f} to {load[1]:.1f} at its runs' starts and ends"
+    else:
+        load_text = f"; 1-min load average {load[0]:.1f} at the start, {load[1]:.1f} at the end"
     return (f"From [`docs/results/{bench}.json`](results/{bench}.json): {record['date'][:16].replace('T', ' ')} "
             f"UTC, {machine(record)}{load_text}; `{record['command']}` at commit `{commit}`.")
 
@@ -270,10 +286,10 @@ def summary(results_dir: Path) -> str:
         path = results_dir / f"{bench}.json"
         if path.exists():
             record = json.loads(path.read_text())
-            load = record.get("load_avg_1min") or {}
+            load = load_span(record)
             rows.append([what, figure(record["result"]), f"[{bench}](docs/results/{bench}.json)",
                          f"{record['machine']['cpu']}, {record['machine']['cores']} cores, {record['date'][:10]}",
-                         f"{load['start']:.1f} → {load['end']:.1f}" if load.get("start") is not None else ""])
+                         "" if load is None else f"{load[0]:.1f} → {load[1]:.1f}"])
     if not rows:
         raise ResultsError(f"{results_dir}: no result files; `make bench` writes them")
     return "\n".join(table(["what", "result", "file", "machine, date", "load (1 min)"], rows)) + "\n"

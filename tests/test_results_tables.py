@@ -122,3 +122,12 @@ def test_tuning_runs_are_read_at_the_bench_target_from_their_curves(tmp_path: Pa
     assert "phases 24 px ep. 0-2, 40 px ep. 2-5" in steady_row
     assert "`0123456`" in steady_row and "baseline: 1 runs, 1 of them alone; recipe: 1 runs, 1 of them alone" in text
     assert "No tuning run yet" in render("tta_tuning", tmp_path / "empty")
+
+
+def test_a_result_made_of_training_runs_shows_the_runs_load_not_the_report_s() -> None:
+    record = json.loads((RESULTS_DIR / "tta.json").read_text())
+    record["load_avg_1min"] = {"start": 0.1, "end": 0.1}  # a later --from-runs report on an idle box
+    record["result"]["runs"] = [{**r, "load_before": b, "load_after": a}
+                                for r, (b, a) in zip(record["result"]["runs"], [(1.5, 2.0), (2.5, 3.5)] * 6)]
+    text = results_tables.provenance("tta", record)
+    assert "from 1.5 to 3.5 at its runs' starts and ends" in text and "0.1" not in text
