@@ -357,3 +357,12 @@ def test_result_of_finished_runs_keeps_complete_seeds_only(tmp_path):
     (tmp_path / "recipe_seed101" / "run.json").write_text(json.dumps({**doc, "target_top1": 0.8}))
     with pytest.raises(ValueError, match="runs with different targets"):
         tta.load_runs(tmp_path)
+
+
+def test_the_bench_runs_as_a_script_path_too():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "scripts/bench/tta.py", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "--quick" in out.stdout, out.stderr
