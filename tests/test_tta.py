@@ -360,9 +360,6 @@ def test_result_of_finished_runs_keeps_complete_seeds_only(tmp_path):
 
 
 def test_the_bench_runs_as_a_script_path_too():
-    import subprocess
-    import sys
-
     out = subprocess.run([sys.executable, "scripts/bench/tta.py", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "--quick" in out.stdout, out.stderr
