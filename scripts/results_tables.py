@@ -245,7 +245,7 @@ def tta_tuning(runs: list[dict[str, Any]], target: float, consecutive: int) -> l
 
 
 SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
-    "tta": ("time to accuracy, recipe / tuned torchvision-reference baseline, fresh seeds",
+    "tta": ("time to accuracy, recipe / torchvision-reference baseline (each tuned with as many runs), fresh seeds",
             lambda r: f"{ratio_or_none(r['ratio'])} (median of {r['seeds_in_median']} seeds)"),
     "topk": ("MSTopK speed-up over torch.topk, gradients of a real training step, k = 0.1%, equal threads",
              lambda r: f"{r['arch']}: {times(r['ratio_1thread'])} (1 thread), {times(r['ratio_2threads'])} (2), "

@@ -1,4 +1,4 @@
-"""Time to accuracy: our recipe against the torchvision reference recipe, each tuned alike, on fresh seeds.
+"""Time to accuracy: our recipe against the torchvision reference recipe, each tuned with as many runs, on fresh seeds.
 
     python -m scripts.bench.tta [--quick] [--seeds 6] [--first-seed 100] [--out runs/bench_tta]
     python -m scripts.bench.tta --tune baseline --set lr=0.05 --set lr-warmup-epochs=0 [--tuning-seeds 0]
@@ -66,7 +66,8 @@ from scripts.tta_baseline import target_reached_at
 ROOT = Path(__file__).resolve().parents[2]
 SIDES = ("baseline", "recipe")
 SIDE_COLORS = {"baseline": "tab:blue", "recipe": "tab:orange"}
-BASELINE = "torchvision reference recipe (ImageFolder + DataLoader, fixed size, SGD + cosine, DDP dense), tuned alike"
+BASELINE = ("torchvision reference recipe (ImageFolder + DataLoader, fixed size, SGD + cosine, DDP dense), tuned with "
+            "as many runs")
 DATA = Path("datasets/tta_photos")  # written by scripts/make_tta_photos.py if missing
 TARGET_TOP1 = 0.7  # set from tuning seed 0's curves: both frozen configs reach it twice in a row
 TARGET_CONSECUTIVE = 2
