@@ -63,24 +63,23 @@ def machine(record: dict[str, Any]) -> str:
     return f"{m['cpu']}, {m['cores']} cores ({flags})"
 
 
-def load_span(record: dict[str, Any]) -> tuple[float, float] | None:
-    """The 1-min load average at the start and end of the measurement: of the bench's process, or, where the
-    result is made of separate training runs (the TTA bench), the lowest at a run's start and the highest at a
-    run's end, since the file may be written later from the runs' folders."""
-    runs = record["result"].get("runs") if isinstance(record.get("result"), dict) else None
-    if runs and all("load_before" in r for r in runs):
-        return min(r["load_before"] for r in runs), max(r["load_after"] for r in runs)
+def load_span(record: dict[str, Any]) -> tuple[float, float, bool] | None:
+    """The 1-min load average at the start and end of the measurement, and whether it spans separate training
+    runs: for a result made of runs (the TTA bench), the lowest at a run's start and the highest at a run's end,
+    since the file may be written later from the runs' folders; else the bench process's own."""
+    runs = record["result"].get("runs")
+    if runs:
+        return min(r["load_before"] for r in runs), max(r["load_after"] for r in runs), True
     load = record.get("load_avg_1min") or {}
-    return None if load.get("start") is None else (load["start"], load["end"])
+    return None if load.get("start") is None else (load["start"], load["end"], False)
 
 
 def provenance(bench: str, record: dict[str, Any]) -> str:
     load = load_span(record)
     commit = record["commit"][:12] + ("+dirty" if record["commit"].endswith("+dirty") else "")
-    runs = "runs" in record["result"]
     if load is None:
         load_text = ""
-    elif runs:
+    elif load[2]:
         load_text = f"; 1-min load average from {load[0]:.1f} to {load[1]:.1f} at its runs' starts and ends"
     else:
         load_text = f"; 1-min load average {load[0]:.1f} at the start, {load[1]:.1f} at the end"

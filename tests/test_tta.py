@@ -359,7 +359,7 @@ def test_result_of_finished_runs_keeps_complete_seeds_only(tmp_path):
         tta.load_runs(tmp_path)
 
 
-def test_the_bench_runs_as_a_script_path_too():
-    out = subprocess.run([sys.executable, "scripts/bench/tta.py", "--help"], cwd=ROOT, capture_output=True,
+def test_the_documented_command_starts_from_the_repository_root():
+    out = subprocess.run([sys.executable, "-m", "scripts.bench.tta", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "--quick" in out.stdout, out.stderr

@@ -56,9 +56,6 @@ from typing import Any, Sequence
 import numpy as np
 import yaml
 
-if __package__ in (None, ""):  # run as `python scripts/bench/tta.py`: the repository root makes `scripts` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from scripts.bench import common
 from scripts.bench.common import print_table
 from scripts.tta_baseline import target_reached_at
