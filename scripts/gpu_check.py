@@ -479,7 +479,12 @@ def _auto_steps(model: Any, topo: Any, bucket_mb: float, grads: list) -> dict:
     cfg = CommConfig(kind="auto", bucket_mb=bucket_mb, calibration_steps=3, trial_steps=3, redecide_every=3)
     comm = AutoCommunicator(cfg, model, topo)
     averaged = []
-    for _ in range(cfg.calibration_steps + cfg.trial_steps + cfg.redecide_every):
+    # calibration, then as many trial windows as plans it tries (measured, so not known ahead), then a drift check
+    for _ in range(100):
+        averaged = _comm_step(model, comm, grads)
+        if comm.calibrated:
+            break
+    for _ in range(cfg.redecide_every):
         averaged = _comm_step(model, comm, grads)
     comm.detach()
     world = comm.net.links["world"] if comm.net is not None else None
