@@ -7,7 +7,7 @@ Imports nothing from the rest of the repository (trainer, data, recipes import t
 from kernels.adam import build_adam
 from kernels.lars import FusedLARS
 from kernels.mstopk import mstopk, mstopk_device_ops, mstopk_reference, mstopk_warm_up
-from kernels.small_conv import use_gemm_for_small_maps
+from kernels.small_conv import use_direct_convs, use_gemm_for_small_maps
 
 __all__ = ["FusedLARS", "build_adam", "mstopk", "mstopk_device_ops", "mstopk_reference", "mstopk_warm_up",
-           "use_gemm_for_small_maps"]
+           "use_direct_convs", "use_gemm_for_small_maps"]

@@ -86,3 +86,13 @@ def use_gemm_for_small_maps(model: nn.Module) -> int:
             module.__class__ = SmallMapConv2d
             switched += 1
     return switched
+
+
+def use_direct_convs(model: nn.Module) -> int:
+    """Undo `use_gemm_for_small_maps`: every `SmallMapConv2d` in `model` back to `nn.Conv2d`; returns how many."""
+    switched = 0
+    for module in model.modules():
+        if type(module) is SmallMapConv2d:
+            module.__class__ = nn.Conv2d
+            switched += 1
+    return switched

@@ -20,7 +20,6 @@ import torchvision
 from torch import nn
 
 from data import DataConfig, build_image_data
-from kernels import use_gemm_for_small_maps
 from trainer.classification import ClassificationTask, ClassificationTrainConfig
 from trainer.comm import CommConfig
 from trainer.config import ConfigError, require
@@ -40,9 +39,10 @@ class ModelConfig:
     """Start every residual block as the identity (last BatchNorm gamma = 0)."""
     label_smoothing: float = 0.1
     """Label smoothing of the cross-entropy loss."""
-    small_map_gemm: bool = True
+    small_map_gemm: bool | Literal["auto"] = "auto"
     """On the CPU, convolutions with at most 4 output positions (the last stage at 32-64 px) run as one GEMM
-    (kernels/small_conv.py, faster than oneDNN there); same parameters; no effect on CUDA."""
+    (kernels/small_conv.py): true, false, or auto = measured at start-up against oneDNN's direct
+    convolutions (trainer/choices.py); same parameters; no effect on CUDA."""
     init: Literal["random", "torchvision"] = "random"
     """Initial weights: random, or torchvision's pretrained weights for model.arch found on this machine
     (model.init_weights, else torch hub's cache); a classifier of another size stays random."""
@@ -87,7 +87,7 @@ class Config:
 
 def build_model(cfg: ModelConfig, num_classes: int, verbose: bool = False) -> nn.Module:
     """torchvision's ResNet, residual blocks starting as the identity (model.zero_init_residual), or from
-    torchvision's pretrained weights (model.init)."""
+    torchvision's pretrained weights (model.init); the task applies model.small_map_gemm."""
     model = torchvision.models.get_model(cfg.arch, num_classes=num_classes, zero_init_residual=cfg.zero_init_residual)
     if cfg.init == "torchvision":
         try:
@@ -96,8 +96,6 @@ def build_model(cfg: ModelConfig, num_classes: int, verbose: bool = False) -> nn
             raise ConfigError(str(e)) from None
         if verbose:
             print(loaded)
-    if cfg.small_map_gemm:
-        use_gemm_for_small_maps(model)
     return model
 
 
@@ -109,7 +107,8 @@ def build_data(cfg: Config, topo: Topology) -> Any:
 def build_task(cfg: Config, topo: Topology, data: Any) -> tuple[ClassificationTask, torch.optim.Optimizer]:
     """Parameter groups (trainer/optim.py): no weight decay and no LARS trust ratio on BatchNorm and biases."""
     model = build_model(cfg.model, data.num_classes, verbose=topo.is_main).to(topo.device)
-    task = ClassificationTask(model, data, topo, cfg.schedule.phases, cfg.train, cfg.model.label_smoothing)
+    task = ClassificationTask(model, data, topo, cfg.schedule.phases, cfg.train, cfg.model.label_smoothing,
+                              cfg.model.small_map_gemm)
     return task, build_optimizer(task.model, cfg.optim)
 
 

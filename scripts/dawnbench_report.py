@@ -212,7 +212,7 @@ def environment(record: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"devices": describe_devices(record), "driver": gpus.get("driver"), "gpuModels": gpus.get("nvidia_smi"),
             "cpu": (record.get("cpu") or {}).get("model"), "versions": record.get("versions"),
             "python": record.get("python"), "hosts": hosts.get("names"), "worldSize": hosts.get("world_size"),
-            "recordedAt": record.get("time"),
+            "recordedAt": record.get("time"), "measuredChoices": record.get("choices"),
             "earlierStarts": record.get("earlier_starts") or []}
 
 
@@ -323,6 +323,11 @@ def environment_lines(env: dict[str, Any] | None) -> list[str]:
              f"- driver: {env.get('driver') or 'none (no nvidia-smi)'}; CPU: {env.get('cpu')}",
              f"- versions: {versions}; Python {env.get('python')}",
              f"- hosts ({len(hosts)}): {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''}"]
+    choices = env.get("measuredChoices")
+    if choices:
+        kept = ", ".join(f"{k} {v}" for k, v in choices["choice"].items())
+        lines.append(f"- measured choices ({choices['source']}): {kept}; {choices['seconds']:.1f} s at start-up, "
+                     "before the clock (not in the time to target above)")
     for earlier in env.get("earlierStarts", []):
         lines.append(f"- earlier start {earlier.get('time')}: world size {earlier.get('world_size')} on "
                      f"{', '.join(earlier.get('hosts') or [])} ({', '.join(earlier.get('devices') or [])})")

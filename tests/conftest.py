@@ -21,6 +21,20 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, *args: Any, timeout: flo
         pytest.fail(str(e))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def choices_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The measured-choices cache of this test session (trainer/choices.py reads $XDG_CACHE_HOME, and so do the
+    ranks and runs the tests start): never the user's."""
+    import os
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield Path(os.environ["XDG_CACHE_HOME"])
+    if before is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 @pytest.fixture(scope="session")
 def digits_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real digits dataset, written once per test session at 16 px (small, fast)."""

@@ -44,7 +44,7 @@ def trained_run(tmp_path_factory, digits_root, pretrained) -> Path:
         train(["--config", str(CONFIG), f"data.root={digits_root}", f"log.dir={run}", "model.arch=resnet18",
                "model.init=torchvision", "train.epochs=1", "train.max_steps_per_epoch=3",
                "schedule.phases=[{start_epoch: 0, end_epoch: 1, image_size: 16, batch_size: 32}]",
-               "comm.kind=dense", "data.workers=0", "train.threads=1", "train.channels_last=true",
+               "comm.kind=dense", "data.workers=0", "train.threads=1", "train.channels_last=true", "train.amp=off", "model.small_map_gemm=true",
                "train.target_top1=0", "log.progress=false", "log.tensorboard=false"])
     return run
 

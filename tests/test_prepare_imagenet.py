@@ -290,7 +290,7 @@ def test_a_one_epoch_run_reads_the_prepared_folder(archives, tmp_path):
                      f"log.dir={out}", "model.arch=resnet18", "train.epochs=1",
                      "schedule.phases=[{start_epoch: 0, end_epoch: 1, image_size: 16, batch_size: 8}]",
                      "schedule.warmup_epochs=0", "comm.kind=dense", "data.workers=0", "train.threads=1",
-                     "train.channels_last=false", "train.target_top1=0", "train.checkpoint_every_epochs=0",
+                     "train.channels_last=false", "train.amp=off", "model.small_map_gemm=true", "train.target_top1=0", "train.checkpoint_every_epochs=0",
                      "log.progress=false", "log.tensorboard=false", "data.cache.dir="])
     assert summary["epochs_run"] == 1 and summary["world_size"] == 1
     epochs = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "epoch"]

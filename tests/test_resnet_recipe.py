@@ -14,7 +14,7 @@ def test_the_resnet_recipe_learns_the_digits(tmp_path, digits_root):
                     "model.arch=resnet18", f"train.epochs={EPOCHS}",
                     f"schedule.phases=[{{start_epoch: 0, end_epoch: {EPOCHS}, image_size: 16, batch_size: 64}}]",
                     f"train.max_steps_per_epoch={STEPS}", "comm.kind=dense", "data.workers=0", "train.threads=1",
-                    "train.channels_last=false", "train.target_top1=0", "train.checkpoint_every_epochs=0",
+                    "train.channels_last=false", "train.amp=off", "model.small_map_gemm=true", "train.target_top1=0", "train.checkpoint_every_epochs=0",
                     "train.deterministic=false", "log.progress=false", "log.tensorboard=false"])
     epochs = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "epoch"]
     losses = [r["loss/train_epoch"] for r in epochs]

@@ -32,7 +32,7 @@ def test_a_recipe_epoch_on_synthetic_data_needs_no_dataset(tmp_path):
                     f"data.root={tmp_path / 'nowhere'}", f"log.dir={out}", "train.epochs=1",
                     "schedule.phases=[{start_epoch: 0, end_epoch: 1, image_size: 16, batch_size: 16}]",
                     "train.max_steps_per_epoch=2", "train.target_top1=0", "model.arch=resnet18",
-                    "train.channels_last=false", "train.threads=1", "log.progress=false", "log.tensorboard=false",
+                    "train.channels_last=false", "train.amp=off", "model.small_map_gemm=true", "train.threads=1", "log.progress=false", "log.tensorboard=false",
                     "schedule.warmup_epochs=0"])
     assert summary["steps"] == 2 and summary["epochs_run"] == 1
     epoch = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]

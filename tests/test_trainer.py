@@ -21,7 +21,7 @@ from trainer.comm import CommConfig, build_communicator
 from trainer.dist import DistConfig, Liveness, setup_distributed
 from tests.conftest import run_ranks
 
-TINY = ["model.arch=resnet18", "data.workers=0", "train.channels_last=false", "train.threads=1", "log.progress=false",
+TINY = ["model.arch=resnet18", "data.workers=0", "train.channels_last=false", "train.amp=off", "model.small_map_gemm=true", "train.threads=1", "log.progress=false",
         "log.tensorboard=true", "log.every_steps=1", "optim.lr=0.05", "schedule.total_epochs=3", "schedule.warmup_epochs=0"]
 
 

@@ -18,7 +18,7 @@ from trainer.config import ConfigError, load_config, reference
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "transformer_quickstart_cpu.yaml"
 TINY = ["model.d_model=32", "model.heads=2", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
-        "data.max_tokens=400", "schedule.warmup_epochs=0.5", "comm.kind=hitopk", "comm.density=0.05",
+        "data.max_tokens=400", "train.amp=off", "schedule.warmup_epochs=0.5", "comm.kind=hitopk", "comm.density=0.05",
         "comm.dense_below=0", "comm.dense_warmup_steps=5",
         "log.progress=false", "log.every_steps=5", "train.target_bleu=0"]
 
@@ -32,7 +32,7 @@ def test_shipped_configs_load_and_every_field_is_documented():
     assert wmt.comm.kind == "auto" and wmt.comm.min_density == 0.1
     assert wmt.data.max_tokens == 3584 and wmt.model.label_smoothing == 0.1
     quick = load_config(Config, CONFIG)
-    assert quick.train.target_bleu == 60 and quick.dist.ranks_per_node == 1 and quick.comm.kind == "hitopk"
+    assert quick.train.target_bleu == 60 and quick.dist.ranks_per_node == 1 and quick.comm.kind == "auto"
     assert [key for key, _, _, doc in reference(Config) if not doc] == []
     with pytest.raises(ConfigError, match=r"train\.target_blue: unknown key \(did you mean train\.target_bleu\?\)"):
         load_config(Config, CONFIG, ["train.target_blue=20"])

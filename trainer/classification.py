@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import torch
 from torch import nn
 
+from kernels import use_direct_convs, use_gemm_for_small_maps
+from trainer.choices import Probe
 from trainer.config import require
 from trainer.dist import Topology, all_reduce_sum, broadcast_module
 from trainer.loop import TrainConfig
@@ -26,8 +28,9 @@ class ClassificationTrainConfig(TrainConfig):
     """Time-to-accuracy target on validation top-1 (fraction, e.g. 0.95); 0 = none."""
     target_top5: float = 0.0
     """Time-to-accuracy target on validation top-5 (fraction, e.g. 0.93); 0 = none."""
-    channels_last: bool = True
-    """Use the channels-last memory format for the model and images."""
+    channels_last: bool | Literal["auto"] = "auto"
+    """Channels-last memory format for the model and images: true, false, or auto = measured at start-up
+    (trainer/choices.py)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -64,19 +67,25 @@ def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, in
 
 class ClassificationTask(Task):
     """A model and an image data source (`data.build_image_data`); phases set image and global batch size.
-    With `train.channels_last` the model (in place) and every batch use the channels-last memory format."""
+    Two measured choices are the task's: the memory layout of the model and every batch (`train.channels_last`)
+    and, on the CPU, convolutions on tiny maps as GEMMs (`small_map_gemm`, kernels/small_conv.py); a pinned
+    value is applied at once, `auto` when the Trainer has measured (`apply_choices`)."""
 
     unit = "images"
 
     def __init__(self, model: nn.Module, data: Any, topo: Topology, phases: list[Phase],
-                 train: ClassificationTrainConfig, label_smoothing: float = 0.0) -> None:
+                 train: ClassificationTrainConfig, label_smoothing: float = 0.0,
+                 small_map_gemm: bool | str = False) -> None:
         for p in phases:
             require(p.batch_size % topo.world_size == 0,
                     f"schedule.phases: batch_size {p.batch_size} (global) is not divisible by the world size "
                     f"{topo.world_size}")
-        self.memory_format = torch.channels_last if train.channels_last else torch.contiguous_format
-        self.model = model.to(memory_format=torch.channels_last) if train.channels_last else model
-        self.data, self.topo = data, topo
+        self.model, self.data, self.topo = model, data, topo
+        gemm = small_map_gemm if topo.device.type == "cpu" else False  # no effect on CUDA: nothing to measure
+        self.space = {"channels_last": [False, True] if train.channels_last == "auto" else [train.channels_last],
+                      "small_map_gemm": [False, True] if gemm == "auto" else [bool(gemm)]}
+        self.memory_format = torch.contiguous_format
+        self.apply_choices({name: values[0] for name, values in self.space.items()})
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.targets = {"top1": train.target_top1, "top5": train.target_top5}
         self._loader_phase: Phase | None = None
@@ -96,6 +105,33 @@ class ClassificationTask(Task):
             self._loader = self.data.train_loader(phase.image_size, self.per_rank_batch(phase), phase.min_scale)
             self._loader_phase = phase
         return self._loader
+
+    # ------------------------------------------------------------ measured choices
+
+    def choice_space(self) -> dict[str, list[Any]]:
+        return self.space
+
+    def apply_choices(self, choice: dict[str, Any]) -> None:
+        self.memory_format = torch.channels_last if choice["channels_last"] else torch.contiguous_format
+        self.model.to(memory_format=self.memory_format)
+        (use_gemm_for_small_maps if choice["small_map_gemm"] else use_direct_convs)(self.model)
+
+    def probes(self, phases: list[tuple[Phase, int]]) -> list[Probe]:
+        """Random images and labels at each distinct (per-rank batch, image size) of the run, from a fixed
+        generator (the run's own generators are not touched)."""
+        steps: dict[tuple[int, int], int] = {}
+        for phase, n in phases:
+            shape = (self.per_rank_batch(phase), phase.image_size)
+            steps[shape] = steps.get(shape, 0) + n
+        gen = torch.Generator().manual_seed(0)
+        return [Probe((torch.randn(b, 3, size, size, generator=gen),
+                       torch.randint(0, self.data.num_classes, (b,), generator=gen)), n, f"{b}x{size}px")
+                for (b, size), n in steps.items()]
+
+    def prepare_probe(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.to_device(*batch)
+
+    # ------------------------------------------------------------ data (continued)
 
     def to_device(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         images = images.to(self.topo.device, non_blocking=True).contiguous(memory_format=self.memory_format)

@@ -46,7 +46,9 @@ from trainer.config import require, to_dict
 from trainer.dist import ReplicaGuard, Topology, all_reduce_sum, broadcast_flag, broadcast_module
 from trainer.metrics import LogConfig, MetricsLogger
 from trainer.optim import set_lr_momentum
-from trainer.precision import autocast, build_grad_scaler, resolve_amp
+from trainer.choices import ChoiceCache, Decision, RunStep, Timer, cache_folder, decide, run_key, wall_timer
+from trainer.precision import AMP_DTYPES, amp_candidates, autocast, build_grad_scaler
+from trainer.run_record import add_to_run_record
 from trainer.rng import rng_state, seed_rank, set_rng_state
 from trainer.schedules import Phase, ScheduleConfig, build_schedule
 from trainer.task import Task
@@ -89,8 +91,9 @@ class TrainConfig:
     eval_every_epochs: int = 1
     """Evaluate every this many epochs (and always after the last one)."""
     amp: Literal["auto", "off", "bf16", "fp16"] = "auto"
-    """Mixed precision: auto = fp16 with loss scaling on CUDA, off on CPU; bf16 pays on CPUs with
-    AVX512-BF16 or AMX only (a warning says so elsewhere)."""
+    """Mixed precision: auto = measured at start-up (trainer/choices.py) among fp32 and bf16 on the CPU, bf16
+    and fp16 (with loss scaling) on CUDA; off = fp32; a pinned value this device cannot run is a config
+    error."""
     seed: int = 0
     """Seed for weights, data order and augmentation."""
     max_steps_per_epoch: int = 0
@@ -128,6 +131,12 @@ class TrainConfig:
     once with that status, without a checkpoint. Keep it below the platform's notice (30 s on GCP spot, the
     `--signal` time on Slurm) and, when torchrun itself is signalled, below its --shutdown-timeout (30 s by
     default), after which torchrun SIGKILLs the ranks (scripts/slurm/ pass 100 s and 110 s)."""
+    calibration_rounds: int = 3
+    """Measured choices (train.amp, train.channels_last, model.small_map_gemm left at auto): timed steps per
+    candidate combination and phase shape at start-up, after one warm-up step each; the median counts."""
+    choices_cache: str = "auto"
+    """Folder of the per-machine cache of measured choices (a second identical run starts without measuring):
+    auto = $XDG_CACHE_HOME/dawnbench-recipes/choices (~/.cache/... when unset); none = measure every run."""
     preempt_check_every_steps: int = 1
     """How often the ranks agree whether one of them was signalled: a one-number all-reduce (and a host sync)
     at every this many step ends. A signal is acted on up to this many steps late: keep that and a
@@ -141,6 +150,7 @@ class TrainConfig:
                 "train.max_steps_per_epoch, train.checkpoint_every_epochs and train.checkpoint_every_steps must be "
                 ">= 0, train.keep_checkpoints > 0")
         require(self.max_skipped_steps > 0, f"train.max_skipped_steps: must be > 0, got {self.max_skipped_steps}")
+        require(self.calibration_rounds >= 1, f"train.calibration_rounds: must be >= 1, got {self.calibration_rounds}")
         require(self.preempt_grace_s > 0 and self.preempt_check_every_steps > 0,
                 "train.preempt_grace_s and train.preempt_check_every_steps must be > 0")
 
@@ -184,6 +194,8 @@ class Components:
     """Rank 0's writers; the null logger writes nothing."""
     guard: ReplicaGuard | None = None
     """The replica-consistency check (dist.check_every_steps); None = never."""
+    timer: Timer | None = None
+    """How measured choices time a step (trainer/choices.py); None = the wall clock."""
 
 
 @dataclass
@@ -246,8 +258,12 @@ class Trainer:
         self.guard = components.guard or ReplicaGuard(0, topo)
         self.schedule = build_schedule(cfg.schedule, self.optimizer, cfg.train.epochs)
         self.phases: list[Phase] = self.schedule.phases
-        self.amp_dtype = resolve_amp(cfg.train.amp, topo.device)
+        self.amp_candidates = amp_candidates(cfg.train.amp, topo.device)
+        self.amp_dtype = AMP_DTYPES[self.amp_candidates[0]]
         self.scaler = build_grad_scaler(cfg.train.loss_scale, self.amp_dtype, topo.device)
+        self.decision: Decision | None = None
+        """The measured choices the run trains with: set by `settle_choices`, or restored from a checkpoint."""
+        self.timer = components.timer or wall_timer(topo.device)
         # Whether the scaler applied the step, learnt from the optimizer's post-step hook instead of reading
         # the scale back: a plain optimizer's step is not called after an overflow (the scaler's inf check is
         # the step's one host sync); a fused one (torch's fused Adam) is always called and skips inside,
@@ -294,6 +310,7 @@ class Trainer:
                 "comm_shared": {k: v for k, v in comm.items() if not holds_tensors(v)},
                 "comm_per_rank": sorted(k for k, v in comm.items() if holds_tensors(v)),
                 "comm_layout": self.comm_layout(),
+                "choices": None if self.decision is None else self.decision.choice,
                 "config": self.run_config}
 
     def checkpoint_files(self) -> dict[str, Any]:
@@ -353,6 +370,9 @@ class Trainer:
         warning."""
         self.model.load_state_dict(load_file(ckpt_dir, MODEL, verify=False))
         shared = load_file(ckpt_dir, SHARED, verify=False)
+        if shared.get("choices") is not None:  # the interrupted run's choices: it trains on as it would have
+            self.decision = Decision(shared["choices"], "checkpoint")
+        self.settle_choices()  # before the loss scaler's state: fp16 or not decides which scaler loads it
         self.optimizer.load_state_dict(shared["optimizer"])
         self.scaler.load_state_dict(shared["scaler"])
         self.task.load_state_dict(shared["task"])
@@ -579,6 +599,31 @@ class Trainer:
                   f"status {PREEMPTED_EXIT_CODE} (restartable: resume continues from it)", flush=True)
         raise SystemExit(PREEMPTED_EXIT_CODE)
 
+    # ------------------------------------------------------------ measured choices
+
+    def settle_choices(self) -> None:
+        """Collective, before the clock: the choices left at auto (precision here, the task's own choices such
+        as memory layout) measured on the run's model at every phase's shape, or read from this machine's
+        cache, unless a resume restored the checkpoint's; applied, and recorded (log.dir/env.json, metrics,
+        printed on rank 0). A checkpoint that holds no choices resumes with freshly decided ones."""
+        if self.decision is None:
+            space = {"amp": self.amp_candidates, **self.task.choice_space()}
+            probes = self.task.probes([(p, self.steps_per_epoch(p) * (p.end_epoch - p.start_epoch))
+                                       for p in self.phases])
+            folder = cache_folder(self.train_cfg.choices_cache)
+            rounds = self.train_cfg.calibration_rounds
+            self.decision = decide(space, probes, RunStep(self.task, self.comm, self.topo.device), self.topo,
+                                   ChoiceCache(folder) if folder else None,
+                                   run_key(self.topo, self.model, space, probes, rounds), rounds, self.timer)
+        choice = self.decision.choice
+        self.amp_dtype = AMP_DTYPES[choice["amp"]]
+        self.scaler = build_grad_scaler(self.train_cfg.loss_scale, self.amp_dtype, self.topo.device)
+        self.task.apply_choices({k: v for k, v in choice.items() if k != "amp"})
+        if self.topo.is_main:
+            print(self.decision.describe(), flush=True)
+            self.metrics.log("choices", self.step, self.decision.metrics())
+            add_to_run_record(Path(self.log_cfg.dir), "choices", self.decision.to_dict())
+
     # ------------------------------------------------------------ steps
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -675,6 +720,7 @@ class Trainer:
         resumed_from = self.maybe_resume()
         if resumed_from is None:
             broadcast_module(self.model, self.topo)
+            self.settle_choices()
         self.print_plan(resumed_from)
         untrained = self.test("untrained") if resumed_from is None else {}
         restore_handlers = self.install_preemption_handlers()
@@ -843,6 +889,7 @@ class Trainer:
                    **{f"final_{name}": final.get(f"eval/{name}") for name in self.task.targets},
                    "final": final, "skipped_steps": self.skipped_steps, "checkpoint_s": self.checkpoint_s,
                    "world_size": self.topo.world_size, "history": self.history,
+                   "choices": None if self.decision is None else self.decision.to_dict(),
                    **{f"test_{name}_untrained": untrained.get(name) for name in trained},
                    **{f"test_{name}": value for name, value in trained.items()}}
         self.metrics.summary(summary)

@@ -1,6 +1,9 @@
-"""Mixed precision: the autocast dtype `train.amp` resolves to on this machine, and the loss scaler.
+"""Mixed precision: the candidates `train.amp` allows on this machine, the autocast dtype of each, and the
+loss scaler.
 
-bf16 pays on CPUs that compute it in hardware (AVX512-BF16 or AMX) only; elsewhere oneDNN emulates it.
+Which precision is fastest depends on the machine (bf16 autocast is faster than fp32 on some CPUs and several
+times slower on others, with or without AVX512-BF16): `auto` leaves it to the start-up measurement
+(trainer/choices.py); a pinned precision the device cannot run is a config error.
 """
 
 from __future__ import annotations
@@ -19,17 +22,27 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
-def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for `train.amp` on `device`, or None for full precision."""
+AMP_DTYPES: dict[str, torch.dtype | None] = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The autocast dtype of each train.amp value (None = full precision)."""
+
+
+def amp_candidates(amp: str, device: torch.device, cuda_bf16: bool | None = None) -> list[str]:
+    """The precisions `train.amp` leaves to measure on `device`: auto = fp32 and bf16 on the CPU, bf16 (where
+    the GPU supports it) and fp16 on CUDA; a pinned value alone, after checking that the device runs it
+    (`cuda_bf16`: whether the GPU computes bf16; read from torch when None)."""
+    if device.type == "cuda" and cuda_bf16 is None:
+        cuda_bf16 = torch.cuda.is_bf16_supported()
     if amp == "auto":
-        return torch.float16 if device.type == "cuda" else None
+        return ["off", "bf16"] if device.type != "cuda" else (["bf16", "fp16"] if cuda_bf16 else ["fp16"])
     if amp == "fp16" and device.type != "cuda":
-        raise ConfigError("train.amp: fp16 needs CUDA; use bf16 or off on the CPU")
+        raise ConfigError("train.amp: fp16 needs CUDA; use bf16, off or auto on the CPU")
+    if amp == "bf16" and device.type == "cuda" and not cuda_bf16:
+        raise ConfigError("train.amp: bf16 is not supported by this GPU (torch.cuda.is_bf16_supported() is False); "
+                          "use fp16 (with loss scaling) or auto")
     if amp == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
-        # emulated bf16 makes every convolution many times slower than fp32; hardware bf16 makes it faster
-        warnings.warn("train.amp: bf16 on a CPU without AVX512-BF16 or AMX is emulated and far slower than "
-                      "fp32 here; train.amp=off is the fast choice on this machine", stacklevel=2)
-    return {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+        warnings.warn("train.amp: bf16 on a CPU without AVX512-BF16 or AMX is emulated, usually far slower than "
+                      "fp32; train.amp=auto measures which is faster here", stacklevel=2)
+    return [amp]
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:

@@ -8,6 +8,7 @@
     hosts: every rank's host name, local rank and device (gathered once, at the start), world size, nodes
     launcher: the torchrun / Slurm / NCCL environment variables of rank 0
     packages: the installed versions of the packages that change results or speed
+    choices: the measured choices this start trains with (trainer/choices.py), added once decided
 
 Each value that cannot be read here is null, never a guess. A resumed run rewrites the record and keeps a
 short form of each earlier start (time, world size, hosts, devices) under `earlier_starts`, so a run that
@@ -150,11 +151,24 @@ def write_run_record(log_dir: Path, topo: Topology, fresh: bool = True) -> Path 
         except (ValueError, AttributeError):
             pass  # an unreadable record is replaced
     record["earlier_starts"] = earlier
+    _write(path, record)
+    return path
+
+
+def _write(path: Path, record: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{RECORD}.tmp")
     tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
     os.replace(tmp, path)
-    return path
+
+
+def add_to_run_record(log_dir: Path, key: str, value: Any) -> None:
+    """Set `key` in log_dir/env.json (rank 0, after `write_run_record`), e.g. the measured choices; a missing or
+    unreadable record is started anew with only this key."""
+    path = Path(log_dir) / RECORD
+    record = read_run_record(log_dir) or {}
+    record[key] = value
+    _write(path, record)
 
 
 def read_run_record(log_dir: Path) -> dict[str, Any] | None:

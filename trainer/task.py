@@ -17,6 +17,7 @@ from typing import Any, Iterator, Protocol
 import torch
 from torch import nn
 
+from trainer.choices import Probe
 from trainer.metrics import Writer
 from trainer.schedules import Phase
 
@@ -73,6 +74,23 @@ class Task(Protocol):
     def stats(self) -> dict[str, float]:
         """Data-side counters for the epoch record (cache hits, skipped items); {} when none."""
         return {}
+
+    def choice_space(self) -> dict[str, list[Any]]:
+        """The task's own machine-dependent choices and their candidates (trainer/choices.py), e.g.
+        {"channels_last": [False, True]} when left at auto; a pinned choice has one; {} when none."""
+        return {}
+
+    def apply_choices(self, choice: dict[str, Any]) -> None:
+        """Switch to `choice`: a value for every name of `choice_space`."""
+
+    def probes(self, phases: list[tuple[Phase, int]]) -> list[Probe]:
+        """A batch per distinct training shape of the run, for measured choices, from the (phase, steps in the
+        run) pairs; [] = nothing to measure with (choices left at auto keep their first candidate)."""
+        return []
+
+    def prepare_probe(self, batch: Any) -> Any:
+        """A probe's batch as `loss` takes it under the applied choices (e.g. in the model's memory layout)."""
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         """Task state to checkpoint beyond the model (e.g. a data sampler's position); {} when none."""

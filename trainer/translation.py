@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from data.translation import PAD, TranslationBatch, TranslationData, collate, eval_batches
+from trainer.choices import Probe
 from trainer.config import require
 from trainer.decoding import Search, Seq2Seq, evaluate_bleu
 from trainer.dist import Topology, all_reduce_sum
@@ -75,6 +76,12 @@ class TranslationTask(Task):
 
     def loss(self, batch: TranslationBatch) -> tuple[torch.Tensor, int]:
         return translation_loss(self.model, batch, self.label_smoothing)
+
+    def probes(self, phases: list[tuple[Phase, int]]) -> list[Probe]:
+        """The first batch of epoch 0 (batches hold a fixed number of tokens; the order is a pure function of
+        seed and epoch, so reading it changes nothing), standing for every step of the run."""
+        batch = next(iter(self.train_batches(phases[0][0], 0)), None)
+        return [] if batch is None else [Probe(batch, sum(n for _, n in phases), "first batch")]
 
     def bleu(self, split: Any, limit: int = 0) -> float:
         """Collective: sacreBLEU of greedy translations of `split` (the first `limit` pairs; 0 = all)."""

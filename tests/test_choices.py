@@ -1,0 +1,209 @@
+"""Measured choices (trainer/choices.py) on a real small model through the real measurement path: timer doubles
+add seconds to one candidate's measured steps, so each test knows which candidate must win; the decision ranks
+share when they measure differently; the per-machine cache; a resumed run keeps its checkpoint's decision."""
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from kernels.small_conv import SmallMapConv2d
+from recipes.resnet50 import main
+from tests.conftest import run_ranks
+from trainer.checkpoint import checkpoint_dirs, load_model_state
+from trainer.choices import (Choice, ChoiceCache, RunStep, Timer, decide, label, run_key, wall_timer)
+from trainer.classification import ClassificationTask, ClassificationTrainConfig
+from trainer.comm import LocalCommunicator
+from trainer.config import ConfigError
+from trainer.dist import DistConfig, Topology, setup_distributed
+from trainer.precision import amp_candidates
+from trainer.schedules import Phase
+
+CPU = torch.device("cpu")
+PHASES = [Phase(0, 2, image_size=8, batch_size=4), Phase(2, 3, image_size=12, batch_size=4)]
+
+
+def small_task(topo: Topology = Topology()) -> ClassificationTask:
+    torch.manual_seed(0)
+    # The second convolution's output is 2x2 at 8 px (the GEMM path) and 3x3 at 12 px (F.conv2d).
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=4),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    data = SimpleNamespace(num_classes=4, train_size=32)
+    return ClassificationTask(model, data, topo, PHASES, ClassificationTrainConfig(channels_last="auto"), 0.0,
+                              small_map_gemm="auto")
+
+
+def penalty(when, seconds: float = 1.0, log: list | None = None) -> Timer:
+    """The wall clock, plus `seconds` on every step of a candidate for which `when(choice)` holds."""
+    real = wall_timer(CPU)
+
+    def timer(step, choice: Choice) -> float:
+        if log is not None:
+            log.append(dict(choice))
+        return real(step, choice) + (seconds if when(choice) else 0.0)
+    return timer
+
+
+def decide_for(task: ClassificationTask, timer: Timer, cache: ChoiceCache | None = None,
+               topo: Topology = Topology(), amp: str = "auto"):
+    space = {"amp": amp_candidates(amp, CPU), **task.choice_space()}
+    probes = task.probes([(p, 8 * (p.end_epoch - p.start_epoch)) for p in PHASES])
+    step = RunStep(task, LocalCommunicator(topo), CPU)
+    return decide(space, probes, step, topo, cache, run_key(topo, task.model, space, probes, 2), 2, timer)
+
+
+@pytest.mark.parametrize("name,slow", [("amp", "bf16"), ("amp", "off"), ("channels_last", True),
+                                       ("channels_last", False), ("small_map_gemm", True),
+                                       ("small_map_gemm", False)])
+def test_the_candidate_measured_slower_is_not_kept(name, slow):
+    decision = decide_for(small_task(), penalty(lambda c: c[name] == slow))
+    assert decision.source == "measured" and decision.choice[name] != slow
+    assert len(decision.costs_s) == 8  # every combination of the three choices was measured
+    slowest = max(decision.costs_s, key=decision.costs_s.get)
+    assert f"{name}_{ {True: 'on', False: 'off'}.get(slow, slow) }" in slowest
+
+
+def test_measuring_leaves_weights_buffers_grads_and_generators_untouched():
+    task = small_task()
+    before = {k: v.clone() for k, v in task.model.state_dict().items()}
+    state = torch.random.get_rng_state()
+    decide_for(task, penalty(lambda c: False))
+    after = task.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # BatchNorm statistics included
+    assert all(p.grad is None for p in task.model.parameters())
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_the_task_applies_each_choice_both_ways():
+    task = small_task()
+    task.apply_choices({"channels_last": True, "small_map_gemm": True})
+    assert task.model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert type(task.model[0]) is SmallMapConv2d
+    task.apply_choices({"channels_last": False, "small_map_gemm": False})
+    assert task.model[0].weight.is_contiguous() and type(task.model[0]) is nn.Conv2d
+    images, _ = task.prepare_probe(task.probes([(PHASES[0], 1)])[0].batch)
+    assert images.is_contiguous()
+
+
+def test_a_failing_candidate_is_dropped_with_a_warning():
+    real = penalty(lambda c: False)
+
+    def timer(step, choice):
+        if choice["amp"] == "bf16":
+            raise RuntimeError("no bf16 kernel for this op\nsecond line")
+        return real(step, choice)
+    with pytest.warns(UserWarning, match=r"amp_bf16-.* failed and is dropped: RuntimeError: no bf16 kernel"):
+        decision = decide_for(small_task(), timer)
+    assert decision.choice["amp"] == "off"
+    assert sum(cost == float("inf") for cost in decision.costs_s.values()) == 4
+
+
+def test_pinned_choices_are_not_measured():
+    task = small_task()
+    task.space = {"channels_last": [False], "small_map_gemm": [True]}
+    log: list = []
+    decision = decide_for(task, penalty(lambda c: False, log=log), amp="off")
+    assert decision.source == "pinned" and not log
+    assert decision.choice == {"amp": "off", "channels_last": False, "small_map_gemm": True}
+
+
+def test_a_second_identical_run_reads_the_cache_without_measuring(tmp_path):
+    cache = ChoiceCache(tmp_path)
+    first = decide_for(small_task(), penalty(lambda c: c["amp"] == "bf16"), cache)
+    log: list = []
+    second = decide_for(small_task(), penalty(lambda c: c["amp"] == "off", log=log), cache)
+    assert not log and second.source == "cache" and second.choice == first.choice
+    assert second.costs_s == first.costs_s and first.choice["amp"] == "off"
+
+
+def test_the_cache_key_changes_with_torch_world_size_and_shapes(monkeypatch):
+    task = small_task()
+    space = {"amp": ["off", "bf16"], **task.choice_space()}
+    probes = task.probes([(p, 8) for p in PHASES])
+    key = run_key(Topology(), task.model, space, probes, 2)
+    assert run_key(Topology(), task.model, space, probes, 2) == key
+    assert run_key(Topology(world_size=2, ranks_per_node=2), task.model, space, probes, 2) != key
+    assert run_key(Topology(), task.model, space, probes[:1], 2) != key
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert run_key(Topology(), task.model, space, probes, 2) != key
+
+
+def test_a_miss_on_another_key_measures_again(tmp_path):
+    cache = ChoiceCache(tmp_path)
+    decide_for(small_task(), penalty(lambda c: False), cache)
+    log: list = []
+    decision = decide_for(small_task(), penalty(lambda c: False, log=log), cache, amp="off")  # another space
+    assert log and decision.source == "measured"
+
+
+def test_a_truncated_or_foreign_cache_entry_is_ignored_with_a_warning(tmp_path):
+    cache = ChoiceCache(tmp_path)
+    decide_for(small_task(), penalty(lambda c: c["amp"] == "bf16"), cache)
+    (entry,) = tmp_path.glob("*.json")
+    text = entry.read_text()
+    entry.write_text(text[: len(text) // 2])
+    with pytest.warns(UserWarning, match="cannot be read"):
+        assert decide_for(small_task(), penalty(lambda c: c["amp"] == "off"), cache).source == "measured"
+    doc = json.loads(entry.read_text())  # rewritten whole by the measurement above
+    doc["key"]["world_size"] = 64
+    entry.write_text(json.dumps(doc))
+    with pytest.warns(UserWarning, match="not this machine's and run shape's entry"):
+        assert decide_for(small_task(), penalty(lambda c: False), cache).source == "measured"
+
+
+def _ranks_measure_differently(rank: int, world: int) -> None:
+    topo = setup_distributed(DistConfig())
+    # Alone, rank 0 would keep bf16 (its fp32 steps are 1 s slower); rank 1's bf16 steps are 3 s slower.
+    slow = penalty(lambda c: c["amp"] == "off", 1.0) if rank == 0 else penalty(lambda c: c["amp"] == "bf16", 3.0)
+    decision = decide_for(small_task(topo), slow, topo=topo)
+    decisions = topo.world.gather_object(decision.choice)
+    if rank == 0:
+        assert all(d == decision.choice for d in decisions) and decision.choice["amp"] == "off"
+
+
+def test_ranks_that_measure_differently_take_one_decision(tmp_path):
+    run_ranks(_ranks_measure_differently, 2, tmp_path)
+
+
+def test_a_pinned_precision_the_device_cannot_run_is_a_config_error():
+    with pytest.raises(ConfigError, match="train.amp: fp16 needs CUDA"):
+        amp_candidates("fp16", CPU)
+    with pytest.raises(ConfigError, match=r"train.amp: bf16 is not supported by this GPU"):
+        amp_candidates("bf16", torch.device("cuda"), cuda_bf16=False)
+    assert amp_candidates("auto", torch.device("cuda"), cuda_bf16=False) == ["fp16"]
+    assert amp_candidates("auto", torch.device("cuda"), cuda_bf16=True) == ["bf16", "fp16"]
+    assert amp_candidates("auto", CPU) == ["off", "bf16"]
+
+
+def test_labels_name_every_choice():
+    assert label({"amp": "bf16", "channels_last": True}) == "amp_bf16-channels_last_on"
+
+
+def test_a_resumed_run_keeps_the_checkpoints_decision_not_the_caches(tmp_path, digits_root):
+    """Straight run (measured, cached), then its last checkpoint removed and the cache entry flipped to the other
+    precision: the resume from the epoch-1 checkpoint must train on with the checkpoint's choices and end bitwise
+    equal. Reading the (flipped) cache instead would train the last epoch in the other precision."""
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    argv = ["--config", "configs/quickstart_cpu.yaml", f"data.root={digits_root}", f"log.dir={out}",
+            "model.arch=resnet18", "data.workers=0", "train.threads=1", "log.progress=false",
+            "log.tensorboard=false", "comm.kind=dense", "train.epochs=2", "train.max_steps_per_epoch=3",
+            "schedule.phases=[{start_epoch: 0, end_epoch: 2, image_size: 16, batch_size: 16}]",
+            "train.deterministic=true", "train.target_top1=0", "train.checkpoint_every_epochs=1",
+            "train.keep_checkpoints=3", f"train.choices_cache={cache}", "train.calibration_rounds=1"]
+    first = main(argv)
+    assert first["choices"]["source"] == "measured"
+    newest = checkpoint_dirs(out)[0]
+    final = load_model_state(newest)
+    shutil.rmtree(newest)
+    (entry,) = cache.glob("*.json")
+    doc = json.loads(entry.read_text())
+    doc["choice"]["amp"] = {"off": "bf16", "bf16": "off"}[doc["choice"]["amp"]]
+    entry.write_text(json.dumps(doc))
+    resumed = main([*argv, "--resume"])
+    assert resumed["choices"] == {**first["choices"], "source": "checkpoint", "costs_s": {}, "seconds": 0.0}
+    assert json.loads((out / "env.json").read_text())["choices"]["source"] == "checkpoint"
+    for name, value in load_model_state(checkpoint_dirs(out)[0]).items():
+        assert torch.equal(value, final[name]), name
