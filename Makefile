@@ -20,7 +20,7 @@ ARGS ?=
 # newest checkpoint by themselves (train.resume: auto).
 MAX_RESTARTS ?= 3
 
-.PHONY: help setup test horovod quickstart quickstart-2x2 digits resnet50-dawnbench resnet50-1node tensorboard bench \
+.PHONY: help setup test test-fast test-cluster horovod quickstart quickstart-2x2 digits resnet50-dawnbench resnet50-1node tensorboard bench \
 	transformer-quickstart transformer-wmt prepare-imagenet prepare-wmt
 
 ## list the targets with what each does
@@ -40,9 +40,19 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -c "from kernels._native import build_all; build_all()"
 	touch $(STAMP)
 
-## run the test suite (real gloo process groups, real files; no GPU needed)
+# The tiers (tests/conftest.py): unit (no processes), dist (real gloo process groups), e2e (training runs,
+# torchrun, faults), cluster (root: network namespaces, tmpfs mounts). -rs lists every skip with its reason.
+## the unit tier: no processes, a few minutes (run it on every edit)
+test-fast: setup
+	$(PY) -m pytest tests -q -rs --tier unit
+
+## run the test suite: the unit, dist and e2e tiers (real gloo process groups, real files; no GPU needed)
 test: setup
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -rs --tier unit,dist,e2e
+
+## the cluster tier (needs root: network namespaces, tmpfs mounts); CI runs it after make test
+test-cluster: setup
+	$(PY) -m pytest tests -q -rs --tier cluster
 
 # Horovod 0.28.1 patched for torch >= 2.1 and built from source (built once; the wheel is cached).
 ## build Horovod 0.28.1 for this torch (optional; its tests skip without it)
@@ -149,8 +159,18 @@ tensorboard: setup
 
 ## run the micro-benchmarks of scripts/bench/ (ARGS=--quick for small sizes), then regenerate the results tables
 bench: setup
-	@for b in scripts/bench/*.py; do case $$b in */__init__.py|*/common.py|*/tta.py|*/scaling.py) continue;; esac; \
+	@for b in scripts/bench/*.py; do case $$b in */__init__.py|*/common.py|*/tta.py|*/scaling.py|*/choices.py|*/quickstart.py) continue;; esac; \
 	  m=$${b%.py}; echo "== $$b"; $(PY) -m $${m//\//.} $(ARGS) || exit 1; done
+	$(PY) -m scripts.results_tables
+
+## measured choices: an epoch of the TTA recipe at its defaults against every pinned precision x communicator
+bench-choices: setup
+	$(PY) -m scripts.bench.choices $(ARGS)
+	$(PY) -m scripts.results_tables
+
+## the quickstarts timed: start-up measurement's share, time and accuracy (ARGS=--quick: the ResNet runs only)
+bench-quickstart: setup
+	$(PY) -m scripts.bench.quickstart $(ARGS)
 	$(PY) -m scripts.results_tables
 
 ## time to accuracy, recipe against the tuned torchvision reference on fresh seeds (ARGS=--quick: 2 seeds)

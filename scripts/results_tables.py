@@ -186,6 +186,33 @@ def scaling(r: dict[str, Any]) -> list[str]:
             + " (each cell's `commit`; a `--resume` run writes the file from saved cells)."]
 
 
+def choice_text(choice: dict[str, Any] | None) -> str:
+    return "" if not choice else ", ".join(f"{k} {v}" for k, v in choice.items())
+
+
+def choices(r: dict[str, Any]) -> list[str]:
+    rows = [[f"{size} px", name, num(v["epoch_s"]), num(v["startup_s"]), times(v["vs_best_pinned"]),
+             choice_text(v["choice"])]
+            for size, cell in r["cells"].items() for name, v in cell["variants"].items()]
+    return [f"One epoch of the TTA recipe (2 ranks, global batch 64, evaluation at 48 px), median of {r['rounds']} "
+            "interleaved round(s); the pinned rows keep NCHW and the GEMM convolutions. \"/ best pinned\" is the "
+            "variant's epoch plus start-up over the fastest pinned combination's epoch.", "",
+            *table(["size", "variant", "epoch s", "start-up s", "/ best pinned", "choice"], rows), "",
+            f"Defaults, measuring, over the fastest pinned combination: {r['ratio']:.3f} at worst; served from the "
+            f"cache over measuring: {r['cached_over_measuring']:.3f} at worst."]
+
+
+def quickstart(r: dict[str, Any]) -> list[str]:
+    def scores(run: dict[str, Any]) -> str:
+        return ", ".join(f"{k} {num(v, 4)}" for k, v in run.items() if k.startswith(("final_", "test_")))
+    rows = [[name, num(v["wall_s"]), num(v["elapsed_s"]), num(v["startup_s"]), f"{100 * v['startup_share']:.2f}%",
+             v["source"], choice_text(v["choice"]), scores(v)] for name, v in r["runs"].items()]
+    return ["The quickstarts' training on 2 CPU ranks (the run folders' summary.json and env.json); wall = torchrun "
+            "start to exit, clock = the trainer's (`elapsed_s`, after the start-up measurement).", "",
+            *table(["run", "wall s", "clock s", "start-up s", "start-up share", "choices from", "choice", "scores"],
+                   rows)]
+
+
 def ratio_or_none(value: float | None) -> str:
     return "not reached" if value is None else f"{value:.3f}"
 
@@ -268,6 +295,15 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "replica_guard": ("replica guard's share of training time",
                       lambda r: f"{100 * r['share']:.3g}% (every {r['every_steps']} steps)"),
     "transformer": ("Transformer recipe tokens/s over DDP + Adam", lambda r: times(r["ratio"])),
+    "choices": ("an epoch of the TTA recipe at its defaults (measured at start-up, start-up included) / the fastest "
+                "pinned precision x communicator",
+                lambda r: f"{r['ratio']:.3f} (worst of {len(r['cells'])} image sizes); cached / measuring "
+                          f"{r['cached_over_measuring']:.3f}"),
+    "quickstart": ("quickstart: the start-up measurement's share of its wall time, measuring / cached; scores",
+                   lambda r: f"{100 * r['ratio']:.2f}% / {100 * r['cached_startup_share']:.2f}%; top-1 "
+                             f"{r['runs']['resnet, measuring'].get('final_top1', float('nan')):.4f}"
+                             + (f", BLEU {r['runs']['transformer, measuring']['test_bleu']:.1f}"
+                                if "transformer, measuring" in r["runs"] else "")),
     "scaling": ("emulated cluster (network namespaces, shaped links): comm.kind auto's step / the best fixed "
                 "exchange's, worst cell",
                 lambda r: f"{max(c['auto_vs_best'] for c in r['cells']):.3f} over {len(r['cells'])} cells; / dense, "
@@ -276,7 +312,7 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
 TABLES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "topk": topk, "input_pipeline": input_pipeline, "data_wait": data_wait, "comm": comm, "optim": optim,
     "small_conv": small_conv, "replica_guard": replica_guard, "transformer": transformer, "tta": tta,
-    "scaling": scaling}
+    "scaling": scaling, "choices": choices, "quickstart": quickstart}
 
 
 def summary(results_dir: Path) -> str:

@@ -1,4 +1,11 @@
-"""Shared test helpers: real gloo ranks (trainer.testing.run_ranks) whose failures fail the test; the digits data."""
+"""Shared test helpers: real gloo ranks (trainer.testing.run_ranks) whose failures fail the test; the digits data;
+the test tiers.
+
+Every test belongs to one tier, its closest tier marker (a test's own marker overrides its module's
+`pytestmark`): unit (no processes: milliseconds to seconds), dist (real gloo process groups), e2e (training
+runs, torchrun launches, faults), cluster (needs root: network namespaces, tmpfs mounts, a Slurm daemon), gpu
+(needs CUDA). `--tier unit,dist` runs those tiers (`make test-fast`: unit; `make test`: unit, dist, e2e;
+`make test-cluster`: cluster); a test without a tier stops the collection, naming it."""
 
 from __future__ import annotations
 
@@ -11,6 +18,32 @@ import torch
 from trainer import testing
 
 ROOT = Path(__file__).resolve().parent.parent
+TIERS = ("unit", "dist", "e2e", "cluster", "gpu")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--tier", default="", help=f"run only these tiers, comma-separated ({', '.join(TIERS)}); a "
+                                                "test's tier is its closest tier marker")
+
+
+def tier_of(item: pytest.Item) -> str | None:
+    """The test's closest tier marker: its own, else its class's, else its module's."""
+    return next((mark.name for mark in item.iter_markers() if mark.name in TIERS), None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    untiered = [item.nodeid for item in items if tier_of(item) is None]
+    if untiered:
+        raise pytest.UsageError(f"{len(untiered)} test(s) without a tier marker ({', '.join(TIERS)}): "
+                                + ", ".join(untiered[:5]) + (" ..." if len(untiered) > 5 else ""))
+    wanted = [t for t in config.getoption("--tier").split(",") if t]
+    unknown = sorted(set(wanted) - set(TIERS))
+    if unknown:
+        raise pytest.UsageError(f"--tier: unknown tier(s) {unknown}; the tiers are {', '.join(TIERS)}")
+    if wanted:
+        keep = [item for item in items if tier_of(item) in wanted]
+        config.hook.pytest_deselected(items=[item for item in items if tier_of(item) not in wanted])
+        items[:] = keep
 
 
 def run_ranks(fn: Callable, world: int, tmp_path: Path, *args: Any, timeout: float = 120.0) -> list[Any]:
@@ -19,6 +52,31 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, *args: Any, timeout: flo
         return testing.run_ranks(fn, world, tmp_path, *args, timeout=timeout)
     except testing.RanksFailed as e:
         pytest.fail(str(e))
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unit tier's promise, kept: a unit test that starts a Python process (a multiprocessing child, a
+    script, torchrun, a recipe) fails, saying to mark it dist or e2e. Short tools (git, uname) may run."""
+    if tier_of(request.node) != "unit":
+        return
+    import multiprocessing.process
+    import os
+    import subprocess
+
+    def refuse() -> None:
+        raise RuntimeError(f"{request.node.nodeid} is in the unit tier but starts a Python process: mark it dist "
+                           "(process groups) or e2e (runs, scripts, launches)")
+    popen_init = subprocess.Popen.__init__
+
+    def checked_popen(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
+        program = args if isinstance(args, (str, bytes, os.PathLike)) else args[0]
+        name = os.path.basename(os.fsdecode(program)).split()[0] if program else ""
+        if name.startswith(("python", "torchrun", "horovodrun", "make", "bash", "sh")):
+            refuse()
+        popen_init(self, args, *rest, **kwargs)
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", lambda self: refuse())
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,6 +19,8 @@ from data.reader import SampleReader
 from tests.conftest import ROOT
 from tests.data_helpers import dali_config, write_folder
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
@@ -123,6 +125,7 @@ READ_RAM_LEVEL = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e
 def test_ram_level_is_shared_between_the_processes_of_a_node(folder, tmp_path):
     (tmp_path / "shm").mkdir()
     split = list_split(folder, "train")
@@ -154,6 +157,7 @@ FULL_DISK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e
 def test_full_disk_turns_a_level_off_with_one_warning(tmp_path):
     folder = write_folder(tmp_path / "big", classes=2, per_class=5, val_per_class=2, sizes=(120, 160))
     assert min(f.stat().st_size for f in folder.rglob("*.JPEG")) > 3000
@@ -202,6 +206,7 @@ def fill_node(run, node_rank: int, nnodes: int = 2) -> dict[str, float]:
     return prepare(run.data, threads=2, shard=shard)
 
 
+@pytest.mark.e2e
 def test_prepare_cache_fills_only_this_nodes_shard_and_a_warm_rerun_reads_nothing(tmp_path):
     from recipes.resnet50 import Config
     from trainer.config import load_config

@@ -33,6 +33,9 @@ from trainer.comm import LocalCommunicator
 from trainer.dist import DistConfig, setup_distributed
 from trainer.loop import PREEMPTED_EXIT_CODE, Components, LoopConfig, ProgressLines, TrainConfig, Trainer
 from trainer.metrics import LogConfig
+from trainer.task import Task
+
+pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 900  # a guard against a hang, not a speed requirement (2-core box shared by other runs)
 
@@ -167,7 +170,7 @@ def test_without_a_terminal_progress_is_a_line_every_n_steps(capsys):
     assert "\r" not in "".join(out)  # nothing redrawn into a log file
 
 
-class PlannedTask:
+class PlannedTask(Task):
     """A task whose steps per epoch are set from outside (as token batching sets them per world size)."""
 
     unit, targets = "tokens", {}

@@ -22,6 +22,8 @@ from trainer.dist import DistConfig, Topology, setup_distributed
 from trainer.precision import amp_candidates
 from trainer.schedules import Phase
 
+pytestmark = pytest.mark.unit
+
 CPU = torch.device("cpu")
 PHASES = [Phase(0, 2, image_size=8, batch_size=4), Phase(2, 3, image_size=12, batch_size=4)]
 
@@ -164,6 +166,7 @@ def _ranks_measure_differently(rank: int, world: int) -> None:
         assert all(d == decision.choice for d in decisions) and decision.choice["amp"] == "off"
 
 
+@pytest.mark.dist
 def test_ranks_that_measure_differently_take_one_decision(tmp_path):
     run_ranks(_ranks_measure_differently, 2, tmp_path)
 
@@ -182,6 +185,7 @@ def test_labels_name_every_choice():
     assert label({"amp": "bf16", "channels_last": True}) == "amp_bf16-channels_last_on"
 
 
+@pytest.mark.e2e
 def test_a_resumed_run_keeps_the_checkpoints_decision_not_the_caches(tmp_path, digits_root):
     """Straight run (measured, cached), then its last checkpoint removed and the cache entry flipped to the other
     precision: the resume from the epoch-1 checkpoint must train on with the checkpoint's choices and end bitwise

@@ -23,6 +23,8 @@ from trainer.checkpoint import CheckpointWriter, latest_checkpoint, load_file, r
 from trainer.comm import CommConfig, CommTimeoutError, build_communicator
 from trainer.dist import DistConfig, setup_distributed
 
+pytestmark = pytest.mark.dist
+
 SIZES = [5, 301, 4099, 17, 2500, 7]  # odd sizes: shards of 2 ranks need padding
 BUCKET_MB = 4100 * 4 / 2**20  # a few buckets of mixed sizes
 

@@ -18,6 +18,8 @@ from trainer.comm.cost import (DENSE, Choice, Layout, Link, Network, Selection, 
                                ring_allreduce_s)
 from trainer.dist import DistConfig, setup_distributed
 
+pytestmark = pytest.mark.dist
+
 SIZES = [3000, 70000, 18, 5001]
 """Packed into three buckets: 5019 (an odd size: hitopk pads its shards), 70000 and 3000 elements."""
 BIG = 2**18

@@ -5,6 +5,8 @@ from recipes.resnet50 import Config
 from trainer.cli import parse_config
 from trainer.config import ConfigError, field_docs, load_config, reference
 
+pytestmark = pytest.mark.unit
+
 PHASE = "schedule.phases=[{start_epoch: 0, end_epoch: 2, image_size: 32, batch_size: 8}]"
 
 def write(path, text):

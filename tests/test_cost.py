@@ -9,6 +9,8 @@ from trainer.comm.cost import (Choice, Collective, Layout, Link, Network, Select
                                exchange_bytes, exposed_s, fit_link, hierarchical_allreduce_s, k_of, reduce_scatter_s,
                                ring_allreduce_s, sent_bytes)
 
+pytestmark = pytest.mark.unit
+
 LINK = Link(alpha_s=1e-3, bytes_per_s=100e6)  # 1 ms per ring step, 100 MB/s
 
 

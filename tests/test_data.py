@@ -16,6 +16,8 @@ from data.sampling import ASPECT_RATIOS, random_resized_crops, train_batches
 from tests.data_helpers import (ODD_FILES, dali_config, decoded_ids, write_folder, write_id_coded_folder,
                                 write_odd_files)
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
@@ -193,6 +195,7 @@ def test_auto_picks_dali_where_installed():
     assert resolve_backend("auto") == "dali" and resolve_backend("torchvision") == "torchvision"
 
 
+@pytest.mark.e2e
 def test_the_data_layer_imports_torchvision_only_for_its_backend():
     """The Transformer's data (data, data.translation) works where torchvision is not installed."""
     code = ("import sys; import data, data.translation; print('torchvision' in sys.modules); "

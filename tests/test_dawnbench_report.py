@@ -15,6 +15,8 @@ from scripts.dawnbench_report import PUBLISHED, hms, main, report
 from tests.conftest import run_ranks
 from tests.test_trainer import TINY, phases
 
+pytestmark = pytest.mark.e2e  # the module's runs: two real trainings on gloo ranks
+
 README_FIELDS = {"version": str, "author": str, "authorEmail": str, "framework": str, "codeURL": str, "model": str,
                  "hardware": str, "costPerHour": float, "timestamp": str, "misc": dict}
 

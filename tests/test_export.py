@@ -20,7 +20,7 @@ from trainer.export import (ExportError, _load_model, export_onnx, main, onnx_ma
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart_cpu.yaml"
 HUB_FILE = "resnet18-f37072fd.pth"  # the name torchvision gives ResNet18_Weights.IMAGENET1K_V1's download
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ import torch
 
 from scripts.gpu_check import CHECKS, missing_module, resnet50_shapes
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 
 HIDE = """import importlib.abc

@@ -22,6 +22,8 @@ from trainer.dist import (DistConfig, ReplicaDivergenceError, ReplicaGuard, Topo
 from trainer.loop import Components, LoopConfig, TrainConfig, Trainer
 from trainer.metrics import LogConfig
 
+pytestmark = pytest.mark.unit
+
 # ---------------------------------------------------------------- error feedback and the loss scale
 
 OVERFLOW_STEP, OVERFLOW_RANK = 3, 1
@@ -94,6 +96,7 @@ def _feedback_survives_scale_changes(rank: int, world: int, kind: str, per_node:
 @pytest.mark.parametrize("kind,world,per_node,optim,selection", [
     ("topk", 2, 0, "sgd", "cpu"), ("hitopk", 4, 2, "sgd", "cpu"), ("topk", 2, 0, "adam", "cpu"),
     ("hitopk", 4, 2, "adam", "device")])
+@pytest.mark.dist
 def test_error_feedback_is_exact_across_loss_scale_changes_and_skipped_steps(tmp_path, kind, world, per_node, optim,
                                                                               selection):
     run_ranks(_feedback_survives_scale_changes, world, tmp_path, kind, per_node, str(tmp_path / "run"), optim,
@@ -159,6 +162,7 @@ def _guard(rank: int, world: int, odd: int) -> None:
         guard.maybe_check(model, 10)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("odd", [0, 2])
 def test_the_replica_guard_names_the_diverged_rank(tmp_path, odd):
     """Named by the majority, so a diverged rank 0 is named too (not every other rank)."""
@@ -182,6 +186,7 @@ def _guard_in_training(rank: int, world: int, tmp: str) -> None:
         trainer.train_step(13)
 
 
+@pytest.mark.dist
 def test_the_trainer_runs_the_replica_guard(tmp_path):
     run_ranks(_guard_in_training, 2, tmp_path, str(tmp_path / "run"))
 
@@ -262,6 +267,7 @@ def _waits(rank: int, world: int) -> None:
     assert work.calls == [()]  # stream-ordered: no timeout, so no host sync per bucket
 
 
+@pytest.mark.dist
 def test_nccl_waits_do_not_block_the_host(tmp_path):
     run_ranks(_waits, 2, tmp_path)
 
@@ -281,6 +287,7 @@ def test_arch_support_reads_native_code_and_ptx():
     assert not arch_supported((8, 0), ["sm_86"])  # code for a newer minor does not run on an older one
 
 
+@pytest.mark.e2e
 def test_a_gpu_config_stops_before_any_work_on_a_machine_without_cuda(tmp_path, monkeypatch):
     """The flagship config asks for NCCL and fp16: here it stops with one line naming both and the reason,
     before a process group, a dataset or a model exists (data.root does not even exist)."""
@@ -288,7 +295,7 @@ def test_a_gpu_config_stops_before_any_work_on_a_machine_without_cuda(tmp_path, 
     import sys
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     result = subprocess.run([sys.executable, "-m", "recipes.resnet50", "--config", "configs/resnet50_dawnbench.yaml",
-                             f"data.root={tmp_path / 'nowhere'}", f"log.dir={tmp_path / 'run'}"],
+                             f"data.root={tmp_path / 'nowhere'}", f"log.dir={tmp_path / 'run'}", "train.amp=fp16"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
@@ -301,6 +308,7 @@ def test_a_gpu_config_stops_before_any_work_on_a_machine_without_cuda(tmp_path, 
 # ---------------------------------------------------------------- checkpoints out of the clock
 
 
+@pytest.mark.e2e
 def test_background_checkpoints_are_complete_and_timed(tmp_path, digits_root):
     """train.checkpoint_in_background: the files are written by a thread from a host snapshot, every one
     verifies and holds the step it was taken at, and the training thread's time is in time/checkpoint_s."""
@@ -357,6 +365,7 @@ def test_a_loss_scaled_train_step_reads_the_device_once(tmp_path, monkeypatch):
     assert reads == ["item"], reads
 
 
+@pytest.mark.e2e
 def test_dali_is_unavailable_without_the_nvidia_package(tmp_path):
     """`find_spec("nvidia.dali")` imports `nvidia` first: with no such package it must say False, not raise."""
     import subprocess

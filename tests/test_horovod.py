@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -35,7 +37,7 @@ def test_recipe_runs_on_horovod_with_a_checkpoint(tmp_path, digits_root):
     argv = ["--config", "configs/quickstart_cpu.yaml", "dist.backend=horovod", f"data.root={digits_root}",
             "data.backend=torchvision", "data.workers=0", "model.arch=resnet18", "train.threads=1", "train.epochs=1",
             "schedule.phases=[{start_epoch: 0, end_epoch: 1, image_size: 16, batch_size: 16}]",
-            "schedule.total_epochs=1", "train.max_steps_per_epoch=3", "comm.dense_below=1000", "log.progress=false",
+            "schedule.total_epochs=1", "train.max_steps_per_epoch=3", "comm.kind=hitopk", "comm.dense_below=1000", "log.progress=false",
             f"log.dir={tmp_path / 'run'}"]
     proc = subprocess.run([str(horovodrun), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m",
                            "recipes.resnet50", *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

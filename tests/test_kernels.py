@@ -13,6 +13,8 @@ from kernels import FusedLARS, _native, build_adam, mstopk, mstopk_reference
 from kernels.lars import LARSReference
 from kernels.testing import gradient_like
 
+pytestmark = pytest.mark.unit
+
 mstopk_module = importlib.import_module("kernels.mstopk")  # kernels.mstopk is also the function
 
 

@@ -42,7 +42,7 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(x, dtype=torch.float32) / 16.0, torch.tensor(y)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # small models: threads only add overhead
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]  # small models: threads only add overhead
 
 
 def recipe(cfg: Config, scale: float = 1.0) -> Schedule:

@@ -23,6 +23,8 @@ from kernels import mstopk_device_ops, mstopk_reference, mstopk_warm_up
 from kernels.mstopk_device import LANE_BITS, split_bits
 from kernels.testing import gradient_like
 
+pytestmark = pytest.mark.unit
+
 mstopk_module = importlib.import_module("kernels.mstopk")  # kernels.mstopk is also the function
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,6 +232,7 @@ TRITON_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.e2e
 def test_triton_kernels_match_reference_in_interpreter() -> None:
     pytest.importorskip("triton", reason="Triton is not installed")
     env = {**os.environ, "TRITON_INTERPRET": "1"}

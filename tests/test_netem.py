@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # the scripts' checks; the shaped cluster itself needs root (cluster)
+
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "scripts" / "netem" / "cluster.sh"
 RUN = ROOT / "scripts" / "netem" / "run.sh"
@@ -116,6 +118,7 @@ def leftovers() -> list[str]:
     return found + [str(p) for p in Path("/etc/netns").glob(f"{PREFIX}-*")]
 
 
+@pytest.mark.cluster
 @needs_root
 def test_two_shaped_nodes_cap_gloo_and_down_leaves_nothing(tmp_path):
     rate_bytes = 200e6 / 8

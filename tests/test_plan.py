@@ -13,6 +13,8 @@ from scripts import plan
 from scripts.plan import ModelSpec, PlanError, Strategy
 from trainer.comm.cost import DENSE, Choice, Link, allgather_s, describe, exposed_s, ring_allreduce_s
 
+pytestmark = pytest.mark.unit
+
 
 def test_step_is_compute_plus_the_exposed_exchange():
     net = plan.gpu_network(2, 4, inter_gbit=1.0, intra_gbyte=100.0, efficiency=1.0)

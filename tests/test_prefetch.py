@@ -12,6 +12,8 @@ from data.cache import SourceLevel
 from data.dali_loader import DaliImageData
 from tests.data_helpers import dali_config, write_folder, write_odd_files
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):

@@ -24,6 +24,8 @@ from data import ilsvrc
 from data.layout import DatasetNotFoundError, preflight
 from scripts.prepare_imagenet import main as prepare_main
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 WNIDS = ["n01440764", "n01443537", "n01484850", "n01491361", "n01494475", "n01496331"]
 TRAIN_PER_CLASS, VAL_PER_CLASS = 8, 2
@@ -110,6 +112,7 @@ def check_prepared(root: Path) -> None:
     assert not (root / ".prepare").exists()
 
 
+@pytest.mark.e2e
 def test_devkit_and_kaggle_labels_give_the_same_sorted_folders(archives, tmp_path, capsys):
     prepare_main(["--archives", str(archives), "--out", str(tmp_path / "a"), "--no-progress", "--workers", "2"])
     out = capsys.readouterr().out
@@ -128,6 +131,7 @@ def test_devkit_and_kaggle_labels_give_the_same_sorted_folders(archives, tmp_pat
     assert ilsvrc.read_val_labels(tmp_path / "list.txt") == ilsvrc.read_val_labels(tmp_path / "valprep.sh") == labels
 
 
+@pytest.mark.e2e
 def test_an_unsorted_val_folder_is_named_by_the_check_and_sorted_in_place(archives, tmp_path):
     root = tmp_path / "data"
     prepare_main(["--train-tar", str(archives / ilsvrc.TRAIN_TAR), "--out", str(root), "--no-progress"])
@@ -178,6 +182,7 @@ def test_an_interrupted_preparation_resumes_without_redoing_finished_classes(arc
     check_prepared(root)
 
 
+@pytest.mark.e2e
 def test_a_killed_validation_extraction_resumes(tmp_path):
     """The process is killed once the first validation images are in the work folder (a validation set large
     enough that it is still writing); the rerun completes the same folder."""
@@ -214,6 +219,7 @@ def test_a_killed_validation_extraction_resumes(tmp_path):
         assert (root / "val" / w / ilsvrc.val_file_name(i + 1)).read_bytes() == images[i % len(images)]
 
 
+@pytest.mark.e2e
 def test_a_failed_write_is_named_as_a_write_not_as_a_damaged_archive(archives, tmp_path):
     """A file size limit (RLIMIT_FSIZE: writes fail with EFBIG, as they fail with ENOSPC on a full disk) stops
     both the class extraction and the validation extraction with one line naming the output folder."""
@@ -280,6 +286,7 @@ def test_the_imagenet_check_names_what_is_missing(archives, tmp_path):
         preflight(tmp_path / "imagenet", expect="imagenet")
 
 
+@pytest.mark.e2e
 def test_a_one_epoch_run_reads_the_prepared_folder(archives, tmp_path):
     from recipes.resnet50 import main as train
 

@@ -13,6 +13,8 @@ import pytest
 from data import wmt
 from scripts.prepare_wmt import main as prepare_main
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 NOUNS = [("house", "Haus"), ("dog", "Hund"), ("tree", "Baum"), ("car", "Auto"), ("book", "Buch"), ("city", "Stadt")]
 ADJ = [("big", "große"), ("small", "kleine"), ("old", "alte"), ("new", "neue")]

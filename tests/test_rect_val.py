@@ -16,6 +16,8 @@ from data.rect_val import (ASPECT_RANGE, SIDE_MULTIPLE, cover_sizes, header_size
                            rect_shape)
 from tests.data_helpers import GRAY_STEP, dali_config, decoded_ids, photo
 
+pytestmark = pytest.mark.unit
+
 BACKENDS = ("dali", "torchvision")
 SHAPES = [(60, 40), (40, 60), (80, 40), (40, 40), (50, 44), (36, 90), (70, 48), (44, 64)]
 """(width, height) of the validation images in turn: landscape, portrait, panorama-ish, square."""

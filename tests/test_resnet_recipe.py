@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
 from recipes.resnet50 import main
+
+pytestmark = pytest.mark.e2e
 
 EPOCHS, STEPS = 2, 12  # 12 steps of 64 images: about half of the 1,437 training digits per epoch
 

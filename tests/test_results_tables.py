@@ -12,6 +12,8 @@ import pytest
 from scripts import results_tables
 from scripts.results_tables import REPO, RESULTS_DIR, ResultsError, documents, main, regenerate, render
 
+pytestmark = pytest.mark.unit
+
 
 def test_committed_tables_match_their_result_files(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["--check"])

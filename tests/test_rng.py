@@ -13,6 +13,8 @@ import torch
 from trainer.checkpoint import load_file, save_file
 from trainer.rng import rng_state, seed_everything, seed_rank, set_rng_state
 
+pytestmark = pytest.mark.unit
+
 DEVICES = [torch.device("cpu")] + ([torch.device("cuda", 0)] if torch.cuda.is_available() else [])
 
 

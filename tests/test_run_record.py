@@ -12,12 +12,15 @@ import stat
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import ROOT, run_ranks
 from trainer.config import git_commit
 from trainer.dist import DistConfig, Topology, setup_distributed
 from trainer.run_record import describe_devices, read_run_record, write_run_record
+
+pytestmark = pytest.mark.dist
 
 
 def _write(rank: int, world: int, out: Path) -> str | None:

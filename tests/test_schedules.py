@@ -3,6 +3,8 @@ import pytest
 from trainer.schedules import Phase, ScheduleConfig, check_phases, get_lr, get_momentum, get_phase
 from trainer.config import ConfigError
 
+pytestmark = pytest.mark.unit
+
 
 def test_warmup_then_linear_decay_at_boundaries():
     cfg = ScheduleConfig(warmup_epochs=2, warmup_start_factor=0.1, decay="linear", final_lr=0.2)

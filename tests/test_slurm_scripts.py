@@ -14,6 +14,8 @@ import pytest
 
 from data import synthetic_translation as synth
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 # srun: one node; the step's task in a process group of its own, as slurmstepd starts it (its options dropped)
 FAKE_SRUN = """#!/bin/bash

@@ -10,6 +10,8 @@ from torch import nn
 
 from kernels.small_conv import MAX_POSITIONS, SmallMapConv2d, small_map_conv2d, takes_gemm, use_gemm_for_small_maps
 
+pytestmark = pytest.mark.unit
+
 
 def _both(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, **kw):
     """Output and input/weight/bias gradients of F.conv2d and of small_map_conv2d, for one upstream gradient."""

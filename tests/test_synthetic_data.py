@@ -2,11 +2,14 @@
 
 import json
 
+import pytest
 import torch
 
 from data import DataConfig, build_image_data
 from data.synthetic import NUM_CLASSES, TRAIN_IMAGES, VAL_IMAGES
 from recipes.resnet50 import main
+
+pytestmark = pytest.mark.e2e
 
 
 def test_synthetic_batches_have_the_phase_size_and_fixed_labels():

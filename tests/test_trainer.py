@@ -21,6 +21,8 @@ from trainer.comm import CommConfig, build_communicator
 from trainer.dist import DistConfig, Liveness, setup_distributed
 from tests.conftest import run_ranks
 
+pytestmark = pytest.mark.e2e
+
 TINY = ["model.arch=resnet18", "data.workers=0", "train.channels_last=false", "train.amp=off", "model.small_map_gemm=true", "train.threads=1", "log.progress=false",
         "log.tensorboard=true", "log.every_steps=1", "optim.lr=0.05", "schedule.total_epochs=3", "schedule.warmup_epochs=0"]
 
@@ -218,17 +220,18 @@ def test_closing_the_heartbeat_waits_until_its_thread_is_out_of_the_store(tmp_pa
 
 
 def test_amp_choices_on_the_cpu(monkeypatch):
-    """auto is fp32 on the CPU, fp16 needs CUDA, and bf16 warns where the CPU would only emulate it."""
+    """auto measures fp32 and bf16 on the CPU, fp16 needs CUDA, and a pinned bf16 warns where the CPU would only
+    emulate it."""
     import warnings
     import trainer.precision as precision
     cpu = torch.device("cpu")
-    assert precision.resolve_amp("auto", cpu) is None and precision.resolve_amp("off", cpu) is None
+    assert precision.amp_candidates("auto", cpu) == ["off", "bf16"] and precision.amp_candidates("off", cpu) == ["off"]
     with pytest.raises(ConfigError, match="fp16 needs CUDA"):
-        precision.resolve_amp("fp16", cpu)
+        precision.amp_candidates("fp16", cpu)
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     with pytest.warns(UserWarning, match="emulated"):
-        assert precision.resolve_amp("bf16", cpu) is torch.bfloat16
+        assert precision.amp_candidates("bf16", cpu) == ["bf16"]
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert precision.resolve_amp("bf16", cpu) is torch.bfloat16
+        assert precision.amp_candidates("bf16", cpu) == ["bf16"]

@@ -16,6 +16,8 @@ from tests.conftest import run_ranks
 from trainer.checkpoint import latest_checkpoint
 from trainer.config import ConfigError, load_config, reference
 
+pytestmark = pytest.mark.e2e
+
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "transformer_quickstart_cpu.yaml"
 TINY = ["model.d_model=32", "model.heads=2", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
         "data.max_tokens=400", "train.amp=off", "schedule.warmup_epochs=0.5", "comm.kind=hitopk", "comm.density=0.05",

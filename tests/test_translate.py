@@ -20,6 +20,8 @@ from trainer.decoding import Search, beam_search, greedy_decode
 from trainer.export import ExportError, average_states, load_weights
 from trainer.translate import resolve_device
 
+pytestmark = pytest.mark.e2e
+
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "transformer_quickstart_cpu.yaml"
 
 

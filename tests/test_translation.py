@@ -19,7 +19,7 @@ from trainer.dist import Topology
 from trainer.optim import maybe_clip_gradients
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # small models: threads only add overhead
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_thread")]  # small models: threads only add overhead
 
 
 @pytest.fixture(scope="module")

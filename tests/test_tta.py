@@ -23,6 +23,8 @@ from scripts.make_tta_photos import VAL_SIDE, prepare, region_centres
 from scripts.plot_tta import first_reach, plot, read_curve
 from tests.conftest import ROOT, run_ranks
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -184,6 +186,7 @@ def baseline_runs(tmp_path_factory: pytest.TempPathFactory, photos: Path) -> dic
     return {"stopped": root / "stopped", "missed": root / "missed"}
 
 
+@pytest.mark.e2e
 def test_baseline_stops_at_the_second_evaluation_at_the_target(baseline_runs):
     records = [json.loads(line) for line in (baseline_runs["stopped"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [0, 1]  # --epochs 4, stopped after two evaluations at the target
@@ -195,6 +198,7 @@ def test_baseline_stops_at_the_second_evaluation_at_the_target(baseline_runs):
     assert args["lr"] == "0.05" and args["norm_weight_decay"] == "0.0" and args["channels_last"] == "False"
 
 
+@pytest.mark.e2e
 def test_bench_reads_baseline_run_folders(baseline_runs):
     got = read_run("baseline", 0, baseline_runs["stopped"], 1e-9, 2, 5.0, 1.0, 1.0)
     assert got.reached and got.epochs_to_target == 2 and got.epochs_run == 2
@@ -229,6 +233,7 @@ def test_first_reach():
     assert first_reach([1.0], [0.5], None) is None
 
 
+@pytest.mark.e2e
 def test_plot_draws_recorded_runs_of_both_sides(baseline_runs, tmp_path):
     png = plot([baseline_runs["stopped"], baseline_runs["missed"]], tmp_path / "tta.png", target=0.98,
                labels=["baseline", "baseline, missed"], colors=["tab:blue", "tab:blue"])
@@ -236,6 +241,7 @@ def test_plot_draws_recorded_runs_of_both_sides(baseline_runs, tmp_path):
     assert (width, height) == (840, 540)  # 7 x 4.5 inches at 120 dpi
 
 
+@pytest.mark.e2e
 def test_plotted_points_are_the_runs_evaluations(baseline_runs):
     """Each curve is its run's evaluated epochs, as the run's summary.json records them (both sides)."""
     for side in ("stopped", "missed"):
@@ -245,6 +251,7 @@ def test_plotted_points_are_the_runs_evaluations(baseline_runs):
                                                            [h["eval/top1"] for h in history]), side
 
 
+@pytest.mark.e2e
 def test_plot_cli_on_run_folders(baseline_runs, tmp_path):
     out = tmp_path / "cli.png"
     done = subprocess.run([sys.executable, "scripts/plot_tta.py", str(baseline_runs["stopped"]),
@@ -256,6 +263,7 @@ def test_plot_cli_on_run_folders(baseline_runs, tmp_path):
         png.load()  # the whole image decodes
 
 
+@pytest.mark.e2e
 def test_plot_needs_one_label_and_colour_per_run(baseline_runs, tmp_path):
     with pytest.raises(ValueError, match=r"--labels: 1 given for 2 run\(s\)"):
         plot([baseline_runs["stopped"], baseline_runs["missed"]], tmp_path / "x.png", labels=["only one"])
@@ -279,6 +287,7 @@ for epoch, top1 in enumerate([0.5, 0.95, 0.8, 0.95, 0.96] + [0.97] * 10000):
 """
 
 
+@pytest.mark.e2e
 def test_launch_ends_a_run_once_it_reached_the_target(tmp_path):
     run_dir = tmp_path / "run"
     launch([sys.executable, "-c", FAKE_TRAINER, str(run_dir)], run_dir, 0.9, 2)  # would write records for ~30 min
@@ -293,6 +302,7 @@ def test_launch_ends_a_run_once_it_reached_the_target(tmp_path):
         pytest.fail(f"worker {worker} of the ended run is still running")
 
 
+@pytest.mark.e2e
 def test_a_failed_launch_shows_the_command_status_and_log_tail(tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('rank 0: out of memory'); sys.exit(3)"]
     with pytest.raises(RuntimeError, match=r"(?s)exited with status 3; last lines of .*train.log:\nrank 0: out of mem"):
@@ -359,6 +369,7 @@ def test_result_of_finished_runs_keeps_complete_seeds_only(tmp_path):
         tta.load_runs(tmp_path)
 
 
+@pytest.mark.e2e
 def test_the_documented_command_starts_from_the_repository_root():
     out = subprocess.run([sys.executable, "-m", "scripts.bench.tta", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)

@@ -28,6 +28,8 @@ from tests.faults.inject import Fault, install
 from tests.test_trainer import TINY, phases
 from trainer.checkpoint import MODEL, CheckpointWriteError, checkpoint_dirs, latest_checkpoint, load_model_state
 
+pytestmark = pytest.mark.e2e
+
 LAUNCH_TIMEOUT_S = 400  # a guard against a hang of the launcher itself, not a speed requirement
 
 
@@ -224,6 +226,7 @@ def _fill_the_disk(rank: int, world: int, argv: list[str]) -> None:
         main(argv)
 
 
+@pytest.mark.cluster  # mounts a tmpfs: root
 def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, digits_root):
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")

@@ -1,0 +1,87 @@
+"""The quickstarts as a user runs them, timed: `make quickstart`'s training (the ResNet recipe on the digits, 2 CPU
+ranks) twice, first with an empty measured-choices cache, then served from it, and `make transformer-quickstart`'s
+training once; what each reached and what its start-up measurement cost.
+
+Per run: the process's wall seconds (torchrun start to exit), the trainer's clock (`elapsed_s`), time to the
+target, the final scores, and the seconds the measured choices took before the clock (env.json) with their share
+of the wall time. ratio = the measuring run's start-up seconds / its wall seconds.
+
+    python -m scripts.bench.quickstart [--quick]      (--quick: the ResNet runs only)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from scripts.bench import common
+from scripts.bench.common import print_table
+from trainer.run_record import read_run_record
+
+ROOT = common.REPO
+RESNET = ("configs/quickstart_cpu.yaml", "recipes.resnet50", "datasets/digits",
+          [sys.executable, "scripts/prepare_digits.py", "--out", "datasets/digits"])
+TRANSFORMER = ("configs/transformer_quickstart_cpu.yaml", "recipes.transformer", "datasets/synthetic_en_de",
+               [sys.executable, "scripts/prepare_synthetic_translation.py", "--out", "datasets/synthetic_en_de"])
+
+
+def train(name: str, recipe: tuple, out: Path, cache: Path) -> dict[str, Any]:
+    """One quickstart training into `out` (2 ranks), with the measured-choices cache `cache`."""
+    config, module, _, _ = recipe
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", module,
+           "--config", config, f"log.dir={out}", f"train.choices_cache={cache}", "log.progress=false"]
+    out.mkdir(parents=True)
+    start = time.perf_counter()
+    with open(out / "train.log", "w") as log:
+        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        tail = "".join((out / "train.log").read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"{' '.join(cmd)}\nexited with status {done.returncode}:\n{tail}")
+    summary = json.loads((out / "summary.json").read_text())
+    choices = (read_run_record(out) or {}).get("choices") or {}
+    startup = float(choices.get("seconds", 0.0))
+    scores = {k: summary.get(k) for k in ("final_top1", "final_top5", "final_bleu", "test_bleu",
+                                          "test_bleu_untrained") if summary.get(k) is not None}
+    print(f"  {name}: {wall:.1f} s wall, clock {summary['elapsed_s']:.1f} s, start-up {startup:.1f} s "
+          f"({choices.get('source')}: {choices.get('choice')}); {scores}", flush=True)
+    return {"wall_s": round(wall, 1), "elapsed_s": round(summary["elapsed_s"], 1),
+            "time_to_target_s": summary["time_to_target_s"], "epochs_run": summary["epochs_run"],
+            "startup_s": round(startup, 2), "startup_share": round(startup / wall, 4),
+            "choice": choices.get("choice"), "source": choices.get("source"), **scores}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = common.bench_parser("quickstart", __doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="run folders (default runs/bench_quickstart/<time>)")
+    args = parser.parse_args(argv)
+    common.record_run(args)
+    out = (args.out or ROOT / "runs" / "bench_quickstart" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    recipes = [RESNET] if args.quick else [RESNET, TRANSFORMER]
+    for _, _, data, prepare in recipes:
+        if not (ROOT / data).is_dir():
+            subprocess.run(prepare, cwd=ROOT, check=True)
+    machine = common.machine()
+    print(f"# scripts/bench/quickstart.py: {machine['cpu']} ({', '.join(machine['cpu_flags'])}), 2 ranks; run "
+          f"folders in {out}", flush=True)
+    runs = {"resnet, measuring": train("resnet, measuring", RESNET, out / "resnet-measuring", out / "cache"),
+            "resnet, cached": train("resnet, cached", RESNET, out / "resnet-cached", out / "cache")}
+    if not args.quick:
+        runs["transformer, measuring"] = train("transformer, measuring", TRANSFORMER, out / "transformer",
+                                               out / "cache")
+    print_table(["run", "wall s", "clock s", "start-up s", "start-up share", "scores"],
+                [[name, r["wall_s"], r["elapsed_s"], r["startup_s"], r["startup_share"],
+                  ", ".join(f"{k} {v:.4g}" for k, v in r.items() if k.startswith(("final_", "test_")))]
+                 for name, r in runs.items()])
+    measuring = runs["resnet, measuring"]
+    return common.emit_result("quickstart", "the measuring quickstart's own wall time (start-up share)",
+                              measuring["startup_s"] / measuring["wall_s"], runs=runs,
+                              cached_startup_share=runs["resnet, cached"]["startup_share"])
+
+
+if __name__ == "__main__":
+    main()
