@@ -1,7 +1,7 @@
 """Input pipelines for ImageNet-layout image folders, chosen by `data.backend`, behind the cache of data/cache.py
 (and `synthetic`: generated batches, no folder).
 
-Every backend gives the trainer the same interface: `num_classes`, `train_size`, `train_loader(image_size,
+Every backend gives the trainer the same interface: `num_classes`, `train_size`, `val_size`, `train_loader(image_size,
 per_rank_batch, min_scale)` and `val_loader(image_size, per_rank_batch)` (iterables of (images, labels)
 with `set_epoch` and `len`), `stats()` (counters for the epoch log) and `close()`.
 """

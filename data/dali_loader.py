@@ -328,6 +328,17 @@ class DaliImageData:
     def train_size(self) -> int:
         return len(self.readers["train"].split)
 
+    @property
+    def val_size(self) -> int:
+        """Validation images evaluated (all ranks together)."""
+        return len(self.val_kept)
+
+    @property
+    def batch_format(self) -> tuple[torch.memory_format, torch.dtype]:
+        """How batches arrive: the memory layout (data.layout) and element type (data.dtype)."""
+        layout = torch.channels_last if self.cfg.layout == "NHWC" else torch.contiguous_format
+        return layout, torch.float16 if self.float16 else torch.float32
+
     def fetch_for(self, split: str, image_size: int) -> str:
         """`lowres` when L3 is on and the image size is small enough for it, else `encoded`."""
         lowres = self.readers[split].cache.lowres is not None and image_size <= self.cfg.cache.lowres_max_image_size

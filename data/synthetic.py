@@ -51,6 +51,7 @@ class SyntheticImageData:
 
     num_classes = NUM_CLASSES
     train_size = TRAIN_IMAGES
+    val_size = VAL_IMAGES
 
     def __init__(self, cfg: DataConfig, rank: int, world_size: int, seed: int,
                  device: torch.device = torch.device("cpu")) -> None:

@@ -131,6 +131,11 @@ class TorchvisionImageData:
     def train_size(self) -> int:
         return len(self._train)
 
+    @property
+    def val_size(self) -> int:
+        """Validation images evaluated (all ranks together)."""
+        return len(self._val_kept)
+
     def _normalize(self) -> list:
         return [transforms.ToTensor(), transforms.Normalize(self.cfg.mean, self.cfg.std)]
 

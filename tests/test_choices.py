@@ -14,7 +14,7 @@ from kernels.small_conv import SmallMapConv2d
 from recipes.resnet50 import main
 from tests.conftest import run_ranks
 from trainer.checkpoint import checkpoint_dirs, load_model_state
-from trainer.choices import (Choice, ChoiceCache, RunStep, Timer, decide, label, run_key, wall_timer)
+from trainer.choices import Choice, ChoiceCache, RunStep, Timer, checked_choice, decide, label, run_key, wall_timer
 from trainer.classification import ClassificationTask, ClassificationTrainConfig
 from trainer.comm import LocalCommunicator
 from trainer.config import ConfigError
@@ -32,8 +32,8 @@ def small_task(topo: Topology = Topology()) -> ClassificationTask:
     torch.manual_seed(0)
     # The second convolution's output is 2x2 at 8 px (the GEMM path) and 3x3 at 12 px (F.conv2d).
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=4),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
-    data = SimpleNamespace(num_classes=4, train_size=32)
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.5), nn.Linear(8, 4))
+    data = SimpleNamespace(num_classes=4, train_size=32, val_size=12)
     return ClassificationTask(model, data, topo, PHASES, ClassificationTrainConfig(channels_last="auto"), 0.0,
                               small_map_gemm="auto")
 
@@ -52,8 +52,8 @@ def penalty(when, seconds: float = 1.0, log: list | None = None) -> Timer:
 def decide_for(task: ClassificationTask, timer: Timer, cache: ChoiceCache | None = None,
                topo: Topology = Topology(), amp: str = "auto"):
     space = {"amp": amp_candidates(amp, CPU), **task.choice_space()}
-    probes = task.probes([(p, 8 * (p.end_epoch - p.start_epoch)) for p in PHASES])
-    step = RunStep(task, LocalCommunicator(topo), CPU)
+    probes = task.probes([(p, 8 * (p.end_epoch - p.start_epoch), 1) for p in PHASES])
+    step = RunStep(task, LocalCommunicator(topo), torch.optim.SGD(task.model.parameters(), lr=0.1, momentum=0.9), CPU)
     return decide(space, probes, step, topo, cache, run_key(topo, task.model, space, probes, 2), 2, timer)
 
 
@@ -68,15 +68,28 @@ def test_the_candidate_measured_slower_is_not_kept(name, slow):
     assert f"{name}_{ {True: 'on', False: 'off'}.get(slow, slow) }" in slowest
 
 
-def test_measuring_leaves_weights_buffers_grads_and_generators_untouched():
+def test_measuring_leaves_weights_buffers_grads_mode_and_generators_untouched():
     task = small_task()
+    for p in task.model.parameters():
+        p.grad = torch.full_like(p, 0.25)
+    task.model.eval()
     before = {k: v.clone() for k, v in task.model.state_dict().items()}
     state = torch.random.get_rng_state()
     decide_for(task, penalty(lambda c: False))
     after = task.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # BatchNorm statistics included
-    assert all(p.grad is None for p in task.model.parameters())
-    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.25)) for p in task.model.parameters())
+    assert torch.equal(torch.random.get_rng_state(), state)  # the Dropout's draws came from a forked generator
+    assert not task.model.training
+
+
+def test_probes_cover_every_training_and_evaluation_shape_with_the_runs_steps():
+    task = small_task()
+    phases = [Phase(0, 2, image_size=8, batch_size=4, val_image_size=12), Phase(2, 3, image_size=12, batch_size=4)]
+    probes = task.probes([(phases[0], 16, 2), (phases[1], 8, 1)])
+    steps = {(p.train, p.batch[0].shape[-1]): p.steps for p in probes}
+    # 12 validation images on one rank in batches of 4: 3 per evaluation; both phases evaluate at 12 px
+    assert steps == {(True, 8): 16, (True, 12): 8, (False, 12): 9}
 
 
 def test_the_task_applies_each_choice_both_ways():
@@ -86,7 +99,7 @@ def test_the_task_applies_each_choice_both_ways():
     assert type(task.model[0]) is SmallMapConv2d
     task.apply_choices({"channels_last": False, "small_map_gemm": False})
     assert task.model[0].weight.is_contiguous() and type(task.model[0]) is nn.Conv2d
-    images, _ = task.prepare_probe(task.probes([(PHASES[0], 1)])[0].batch)
+    images, _ = task.prepare_probe(task.probes([(PHASES[0], 1, 0)])[0].batch)
     assert images.is_contiguous()
 
 
@@ -124,11 +137,12 @@ def test_a_second_identical_run_reads_the_cache_without_measuring(tmp_path):
 def test_the_cache_key_changes_with_torch_world_size_and_shapes(monkeypatch):
     task = small_task()
     space = {"amp": ["off", "bf16"], **task.choice_space()}
-    probes = task.probes([(p, 8) for p in PHASES])
+    probes = task.probes([(p, 8, 1) for p in PHASES])
     key = run_key(Topology(), task.model, space, probes, 2)
     assert run_key(Topology(), task.model, space, probes, 2) == key
     assert run_key(Topology(world_size=2, ranks_per_node=2), task.model, space, probes, 2) != key
-    assert run_key(Topology(), task.model, space, probes[:1], 2) != key
+    bigger = [Phase(0, 2, image_size=8, batch_size=8), PHASES[1]]  # one phase's batch changes, nothing else
+    assert run_key(Topology(), task.model, space, task.probes([(p, 8, 1) for p in bigger]), 2) != key
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert run_key(Topology(), task.model, space, probes, 2) != key
 
@@ -171,14 +185,27 @@ def test_ranks_that_measure_differently_take_one_decision(tmp_path):
     run_ranks(_ranks_measure_differently, 2, tmp_path)
 
 
-def test_a_pinned_precision_the_device_cannot_run_is_a_config_error():
+def test_a_pinned_precision_the_device_cannot_run_is_a_config_error(monkeypatch):
     with pytest.raises(ConfigError, match="train.amp: fp16 needs CUDA"):
         amp_candidates("fp16", CPU)
+    native: list = []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native.append(
+        including_emulation) or False)  # a GPU that only emulates bf16 (V100, T4)
     with pytest.raises(ConfigError, match=r"train.amp: bf16 is not supported by this GPU"):
-        amp_candidates("bf16", torch.device("cuda"), cuda_bf16=False)
-    assert amp_candidates("auto", torch.device("cuda"), cuda_bf16=False) == ["fp16"]
-    assert amp_candidates("auto", torch.device("cuda"), cuda_bf16=True) == ["bf16", "fp16"]
+        amp_candidates("bf16", torch.device("cuda"))
+    assert amp_candidates("auto", torch.device("cuda")) == ["fp16"] and native == [False, False]
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert amp_candidates("auto", torch.device("cuda")) == ["bf16", "fp16"]
     assert amp_candidates("auto", CPU) == ["off", "bf16"]
+
+
+def test_a_restored_choice_the_run_no_longer_allows_is_a_config_error():
+    space = {"amp": ["off"], "channels_last": [False, True]}
+    assert checked_choice({"amp": "off", "channels_last": True}, space) == {"amp": "off", "channels_last": True}
+    with pytest.raises(ConfigError, match=r"train.amp: the checkpoint trained with 'bf16', which this config"):
+        checked_choice({"amp": "bf16", "channels_last": True}, space)
+    with pytest.warns(UserWarning, match="the checkpoint holds no channels_last; using False"):
+        assert checked_choice({"amp": "off"}, space) == {"amp": "off", "channels_last": False}
 
 
 def test_labels_name_every_choice():
@@ -207,7 +234,8 @@ def test_a_resumed_run_keeps_the_checkpoints_decision_not_the_caches(tmp_path, d
     doc["choice"]["amp"] = {"off": "bf16", "bf16": "off"}[doc["choice"]["amp"]]
     entry.write_text(json.dumps(doc))
     resumed = main([*argv, "--resume"])
-    assert resumed["choices"] == {**first["choices"], "source": "checkpoint", "costs_s": {}, "seconds": 0.0}
+    assert resumed["choices"] == {"choice": first["choices"]["choice"], "source": "checkpoint", "costs_s": {},
+                                  "seconds": 0.0}
     assert json.loads((out / "env.json").read_text())["choices"]["source"] == "checkpoint"
     for name, value in load_model_state(checkpoint_dirs(out)[0]).items():
         assert torch.equal(value, final[name]), name

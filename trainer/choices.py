@@ -1,9 +1,11 @@
 """Measured choices: settings whose speed depends on the machine, timed at start-up instead of assumed.
 
 For every key a config leaves at `auto` (precision, memory layout, convolution implementation), each
-combination of the candidates runs a few forward + backward steps of the run's own model at every phase's
-per-rank batch and image size; the combination with the least step time, weighted by each phase's steps in
-the run, is kept for the whole run, as `cudnn.benchmark` does for convolution algorithms. Candidates are
+combination of the candidates runs a few steps of the run's own model at every shape the run trains and
+evaluates at (forward + backward at each phase's per-rank batch and image size; forward alone at the
+evaluation's), the batch's move into the candidate's layout included; the combination with the least time,
+weighted by the steps the run takes at each shape, is kept for the whole run, as `cudnn.benchmark` does for
+convolution algorithms. Candidates are
 interleaved round by round (drift hits them alike) and the median of each one's rounds counts. Every rank
 measures; the ranks' costs are averaged before the pick, so all take one decision. A candidate that fails
 (an unsupported kernel, out of memory) is dropped with a warning.
@@ -16,6 +18,7 @@ choices.md describes the procedure, the cache and what each choice changes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import itertools
 import json
@@ -31,20 +34,26 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
+from trainer.config import ConfigError
 from trainer.dist import Topology, all_reduce_sum
 from trainer.precision import AMP_DTYPES, autocast
 
 Choice = dict[str, Any]
 """One combination: a value per choice name, e.g. {"amp": "bf16", "channels_last": False}."""
+CONFIG_KEYS = {"amp": "train.amp", "channels_last": "train.channels_last", "small_map_gemm": "model.small_map_gemm"}
+"""The config key of each choice, for messages."""
 
 
 @dataclass(frozen=True)
 class Probe:
-    """One shape the run trains at: a batch of that shape, the steps the run takes at it, a name for logs."""
+    """One shape the run trains or evaluates at: a batch of that shape (as the loader delivers it), the steps
+    the run takes at it, a name for logs and the cache key, and whether it is a training step (forward and
+    backward) or an evaluation step (forward, no gradients)."""
 
     batch: Any
     steps: float
     name: str
+    train: bool = True
 
 
 class Subject(Protocol):
@@ -54,12 +63,9 @@ class Subject(Protocol):
         """Switch the model (and whatever else the choice names) to `choice`."""
         ...
 
-    def prepare(self, batch: Any) -> Any:
-        """`batch` as a step under the applied choice takes it (e.g. in its memory layout); not timed."""
-        ...
-
-    def step(self, batch: Any) -> None:
-        """One training step's forward and backward on a prepared `batch` under the applied choice."""
+    def step(self, batch: Any, train: bool) -> None:
+        """One step on `batch` under the applied choice: moved into the choice's layout, then forward and
+        backward (`train`) or forward alone without gradients (evaluation)."""
         ...
 
     def preserved(self) -> contextlib.AbstractContextManager:
@@ -68,7 +74,8 @@ class Subject(Protocol):
 
 
 Timer = Callable[[Callable[[], None], Choice], float]
-"""Runs the step it is given and returns its seconds (the choice is what was applied, for test doubles)."""
+"""Runs the step it is given and returns its seconds; the choice is the one applied (a timer may log or
+weigh per candidate)."""
 
 
 def wall_timer(device: torch.device) -> Timer:
@@ -103,25 +110,25 @@ class Decision:
     source: str
     """measured | cache | checkpoint | pinned (nothing left at auto) | default (no probe batch to measure with:
     the first candidate of each choice)."""
-    costs_s: dict[str, float] = field(default_factory=dict)
-    """Per candidate label: the predicted seconds of the run's forward and backward passes (each phase's steps
-    x its median step time, mean over the ranks), inf for a candidate that failed; from the measurement that
-    made the decision (a cached decision's too)."""
+    costs_s: dict[str, float | None] = field(default_factory=dict)
+    """Per candidate label: the predicted seconds of the run's training steps' forward and backward passes and
+    its evaluations' forward passes (each shape's steps x its median time, mean over the ranks); inf (null in
+    JSON) for a candidate that failed; from the measurement that made the decision (a cached decision's too)."""
     seconds: float = 0.0
     """Wall time spent deciding in this start (measuring, or reading the cache)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Decision":
-        return cls(dict(d["choice"]), str(d["source"]), dict(d.get("costs_s", {})), float(d.get("seconds", 0.0)))
+        """Plain JSON: a failed candidate's cost is null."""
+        d = asdict(self)
+        d["costs_s"] = {k: v if math.isfinite(v) else None for k, v in self.costs_s.items()}
+        return d
 
     def metrics(self) -> dict[str, float]:
         """Scalars for the metrics writers (TensorBoard, JSONL)."""
         out = {"choices/seconds": self.seconds, "choices/cached": float(self.source == "cache"),
                "choices/measured": float(self.source == "measured")}
-        out.update({f"choices/{name}_s": value for name, value in self.costs_s.items() if math.isfinite(value)})
+        out.update({f"choices/{name}_s": value for name, value in self.costs_s.items()
+                    if value is not None and math.isfinite(value)})
         return out
 
     def describe(self) -> str:
@@ -129,41 +136,64 @@ class Decision:
         if self.source in ("pinned", "default"):
             return (f"choices pinned by the config: {kept}" if self.source == "pinned" else
                     f"choices unmeasured (the task gives no batch to measure with), first candidates: {kept}")
-        ranked = sorted(self.costs_s.items(), key=lambda kv: kv[1])
-        table = "; ".join(f"{name} {seconds:.1f} s" for name, seconds in ranked)
+        ranked = sorted(self.costs_s.items(), key=lambda kv: kv[1] if kv[1] is not None else math.inf)
+        table = "; ".join(f"{name} {'failed' if seconds is None or not math.isfinite(seconds) else f'{seconds:.1f} s'}"
+                          for name, seconds in ranked)
         how = {"measured": "measured", "cache": "from the cache", "checkpoint": "from the checkpoint"}[self.source]
         return (f"choices {how} in {self.seconds:.1f} s: {kept}" +
-                (f" (predicted forward+backward seconds of the run: {table})" if table else ""))
+                (f" (predicted seconds of the run's steps and evaluations: {table})" if table else ""))
 
 
 # ---------------------------------------------------------------- measurement
 
 
-def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rounds: int, timer: Timer
-            ) -> list[float]:
-    """Per candidate: the sum over probes of (the probe's steps x the median of `rounds` timed steps), in
-    seconds, after one untimed warm-up step per probe; candidates interleaved round by round. A candidate
-    that raises is `inf` (dropped, with a warning naming it and the error)."""
+WARMUP_PRUNE = 2.0
+"""After the warm-up round, a candidate more than this many times the best's cost is measured no further."""
+ROUND_PRUNE = 1.25
+"""After each measured round, a candidate more than this many times the best's current cost is measured no
+further (its cost stays its estimate so far)."""
+
+
+def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rounds: int, timer: Timer,
+            reduce: Callable[[list[float]], list[float]] = lambda costs: costs) -> list[float]:
+    """Per candidate: the sum over probes of (the probe's steps x the median of its timed steps), in seconds;
+    candidates interleaved round by round. Round 0 warms each candidate up (first-touch allocations, kernel
+    selection) and is timed only to drop candidates far behind (`WARMUP_PRUNE`); then up to `rounds` measured
+    rounds, after each of which candidates clearly behind are dropped (`ROUND_PRUNE`), so slow candidates cost
+    little. `reduce` averages a cost list over the ranks (every rank then drops the same candidates). A
+    candidate that raises (an unsupported kernel, out of memory, anything) is `inf`, with a warning naming it
+    and the error, and every rank still reaches the collectives."""
     times: dict[tuple[int, int], list[float]] = {(c, p): [] for c in range(len(candidates)) for p in range(len(probes))}
     failed: set[int] = set()
+    active = list(range(len(candidates)))
+    costs = [math.inf] * len(candidates)
     for r in range(rounds + 1):
-        for c, choice in enumerate(candidates):
-            if c in failed:
-                continue
+        for c in active:
+            choice = candidates[c]
             try:
                 subject.apply(choice)
                 for p, probe in enumerate(probes):
-                    batch = subject.prepare(probe.batch)
-                    seconds = timer(lambda: subject.step(batch), choice)
-                    if r:  # round 0 warms each candidate up (first-touch allocations, kernel selection)
+                    seconds = timer(lambda: subject.step(probe.batch, probe.train), choice)
+                    if r == 0:
+                        times[c, p] = [seconds]  # replaced by the measured rounds
+                    elif r == 1:
+                        times[c, p] = [seconds]
+                    else:
                         times[c, p].append(seconds)
-            except (RuntimeError, NotImplementedError, torch.OutOfMemoryError) as e:
+            except Exception as e:  # noqa: BLE001 - one rank's failure must not leave the others in a collective
                 warnings.warn(f"measured choices: {label(choice)} failed and is dropped: "
                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
                 failed.add(c)
-    return [math.inf if c in failed else
-            sum(probe.steps * statistics.median(times[c, p]) for p, probe in enumerate(probes))
-            for c in range(len(candidates))]
+        local = [math.inf if c in failed or not all(times[c, p] for p in range(len(probes))) else
+                 sum(probe.steps * statistics.median(times[c, p]) for p, probe in enumerate(probes))
+                 for c in range(len(candidates))]
+        round_costs = reduce(local)
+        for c in active:
+            costs[c] = round_costs[c]
+        best = min((costs[c] for c in active), default=math.inf)
+        factor = WARMUP_PRUNE if r == 0 else ROUND_PRUNE
+        active = [c for c in active if math.isfinite(costs[c]) and costs[c] <= factor * best]
+    return costs
 
 
 def pick(costs: Sequence[float]) -> int:
@@ -208,10 +238,10 @@ class ChoiceCache:
 
     def get(self, key: dict[str, Any]) -> dict[str, Any] | None:
         path = self.path(key)
-        if not path.exists():
-            return None
         try:
             entry = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
         except (OSError, ValueError) as e:
             warnings.warn(f"measured choices: ignoring the cache entry {path}, which cannot be read ({e}); "
                           "measuring again", stacklevel=2)
@@ -226,7 +256,7 @@ class ChoiceCache:
         """Write the entry; a failure (read-only or full disk) is a warning: the run goes on uncached."""
         path = self.path(key)
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-        entry = {"key": _plain(key), "choice": decision.choice, "costs_s": decision.costs_s,
+        entry = {"key": _plain(key), "choice": decision.choice, "costs_s": decision.to_dict()["costs_s"],
                  "measured_s": decision.seconds, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -258,13 +288,16 @@ def device_name(device: torch.device) -> str:
 
 def run_key(topo: Topology, model: torch.nn.Module, space: dict[str, Sequence[Any]], probes: list[Probe],
             rounds: int) -> dict[str, Any]:
-    """Everything that changes which candidate is fastest: the device model, cores and threads, torch and
-    kernel builds, world size and ranks per node, the model (class, parameter count, structure), the per-rank
-    batches and shapes with their steps, the candidates and the rounds."""
+    """Everything that changes which candidate is fastest: the device model, the cores this process may use
+    and its threads, torch, CUDA and cuDNN versions and cuDNN's autotuning, the kernel sources, world size and
+    ranks per node, the model (class, parameter count, structure), the probes (shapes and steps), the
+    candidates and the rounds."""
     structure = hashlib.sha256(repr(model).encode()).hexdigest()[:16]
     return _plain({
-        "device": device_name(topo.device), "device_type": topo.device.type, "cores": os.cpu_count(),
+        "device": device_name(topo.device), "device_type": topo.device.type, "cores": len(os.sched_getaffinity(0)),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if topo.device.type == "cuda" else None,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark if topo.device.type == "cuda" else None,
         "kernels": kernels_build(), "world_size": topo.world_size, "ranks_per_node": topo.ranks_per_node,
         "model": {"class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
                   "structure": structure},
@@ -273,6 +306,23 @@ def run_key(topo: Topology, model: torch.nn.Module, space: dict[str, Sequence[An
 
 
 # ---------------------------------------------------------------- the decision
+
+
+def checked_choice(choice: Choice, space: dict[str, Sequence[Any]]) -> Choice:
+    """A restored `choice` (from a checkpoint) against this run's candidates: a name it lacks takes the first
+    candidate, with a warning; a value the config or the device no longer allows is a ConfigError."""
+    checked = {}
+    for name, values in space.items():
+        if name not in choice:
+            warnings.warn(f"measured choices: the checkpoint holds no {name}; using {values[0]!r}", stacklevel=2)
+            checked[name] = values[0]
+        elif choice[name] not in values:
+            raise ConfigError(f"{CONFIG_KEYS.get(name, name)}: the checkpoint trained with {choice[name]!r}, which "
+                              f"this config and device allow no more (candidates {list(values)}); resume with it "
+                              "pinned, or start a fresh run")
+        else:
+            checked[name] = choice[name]
+    return checked
 
 
 def decide(space: dict[str, Sequence[Any]], probes: list[Probe], subject: Subject, topo: Topology,
@@ -284,15 +334,22 @@ def decide(space: dict[str, Sequence[Any]], probes: list[Probe], subject: Subjec
     candidates = combinations(space)
     if len(candidates) == 1 or not probes:
         return Decision(candidates[0], "pinned" if len(candidates) == 1 else "default")
-    entry = cache.get(key) if cache is not None and topo.is_main else None
+    entry = None
+    if cache is not None and topo.is_main:
+        try:
+            entry = cache.get(key)
+        except Exception as e:  # noqa: BLE001 - the other ranks wait in the broadcast below
+            warnings.warn(f"measured choices: the cache could not be read ({e}); measuring", stacklevel=2)
     if topo.distributed:
         entry = topo.world.broadcast_object(entry, src=0)
     if entry is not None and entry["choice"] in candidates:
         return Decision(entry["choice"], "cache", entry.get("costs_s", {}), time.perf_counter() - start)
+    def mean_over_ranks(costs: list[float]) -> list[float]:
+        return [cost / topo.world_size for cost in all_reduce_sum(costs, topo)] if topo.distributed else costs
     with subject.preserved():
-        costs = measure(candidates, probes, subject, rounds, timer)
-    if topo.distributed:
-        costs = [cost / topo.world_size for cost in all_reduce_sum(costs, topo)]
+        costs = measure(candidates, probes, subject, rounds, timer, mean_over_ranks)
+    if topo.device.type == "cuda":
+        torch.cuda.empty_cache()  # the candidates' workspaces
     best = pick(costs)
     decision = Decision(candidates[best], "measured", {label(c): cost for c, cost in zip(candidates, costs)},
                         time.perf_counter() - start)
@@ -320,33 +377,52 @@ def preserved_module(model: torch.nn.Module, device: torch.device) -> Iterator[N
 
 
 class RunStep:
-    """The Subject of a training run: the task's loss under the choice's autocast, then backward, with the
-    communicator's hooks detached (no exchange, no residual touched); the task applies its own choices
-    (memory layout, convolution implementation)."""
+    """The Subject of a training run: the task's loss under the choice's autocast, then backward and the
+    optimizer's step (training probes) or the forward alone (evaluation probes), with the communicator's hooks
+    detached (no exchange, no residual touched); the task applies its own choices (memory layout, convolution
+    implementation). Weights, buffers, gradients, the optimizer's state and the generators are restored
+    afterwards."""
 
-    def __init__(self, task: Any, comm: Any, device: torch.device) -> None:
-        self.task, self.comm, self.device = task, comm, device
+    def __init__(self, task: Any, comm: Any, optimizer: torch.optim.Optimizer, device: torch.device,
+                 exchange: Any = None) -> None:
+        self.task, self.comm, self.optimizer, self.device = task, comm, optimizer, device
+        self.exchange = exchange
+        """A dense communicator hooked in while measuring (None on one process): every training probe's
+        gradients are averaged from backward's hooks, as in a training step, without touching the run's own
+        communicator (its residuals and measurements)."""
         self.dtype: torch.dtype | None = None
 
     def apply(self, choice: Choice) -> None:
         self.dtype = AMP_DTYPES[choice.get("amp", "off")]
         self.task.apply_choices({k: v for k, v in choice.items() if k != "amp"})
 
-    def prepare(self, batch: Any) -> Any:
-        return self.task.prepare_probe(batch)
-
-    def step(self, batch: Any) -> None:
-        self.task.model.train()
-        with autocast(self.device, self.dtype):
-            loss, _ = self.task.loss(batch)
-        loss.backward()
-        self.task.model.zero_grad(set_to_none=True)
+    def step(self, batch: Any, train: bool) -> None:
+        model = self.task.model
+        model.train(train)
+        try:
+            with torch.set_grad_enabled(train), autocast(self.device, self.dtype):
+                loss, _ = self.task.loss(self.task.prepare_probe(batch))
+            if train:
+                loss.backward()
+                if self.exchange is not None:
+                    self.exchange.finish()
+                self.optimizer.step()  # its kernels see the layout of the weights and gradients too
+        finally:
+            model.zero_grad(set_to_none=True)  # a failed candidate leaves no partial gradients either
 
     @contextlib.contextmanager
     def preserved(self) -> Iterator[None]:
         self.comm.detach()
+        if self.exchange is not None:
+            self.exchange.attach()
+        training = self.task.model.training
+        optimizer_state = copy.deepcopy(self.optimizer.state_dict())
         try:
             with preserved_module(self.task.model, self.device):
                 yield
         finally:
+            self.optimizer.load_state_dict(optimizer_state)
+            self.task.model.train(training)
+            if self.exchange is not None:
+                self.exchange.detach()
             self.comm.attach()

@@ -5,6 +5,7 @@ adds (targets, channels-last).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -116,20 +117,27 @@ class ClassificationTask(Task):
         self.model.to(memory_format=self.memory_format)
         (use_gemm_for_small_maps if choice["small_map_gemm"] else use_direct_convs)(self.model)
 
-    def probes(self, phases: list[tuple[Phase, int]]) -> list[Probe]:
-        """Random images and labels at each distinct (per-rank batch, image size) of the run, from a fixed
-        generator (the run's own generators are not touched)."""
-        steps: dict[tuple[int, int], int] = {}
-        for phase, n in phases:
-            shape = (self.per_rank_batch(phase), phase.image_size)
-            steps[shape] = steps.get(shape, 0) + n
+    def probes(self, phases: list[tuple[Phase, int, int]]) -> list[Probe]:
+        """Random images, in the layout and element type the loader delivers (`batch_format`, else NCHW fp32),
+        and labels, from a fixed generator (the run's generators are not touched): one training batch per
+        distinct (per-rank batch, image size) with the run's steps at it, and one evaluation batch per distinct
+        (batch, validation size) with the evaluations' batches at it (square crops stand in for rectangular
+        validation)."""
+        layout, dtype = getattr(self.data, "batch_format", (torch.contiguous_format, torch.float32))
+        val_size = getattr(self.data, "val_size", 0)
+        steps: dict[tuple[bool, int, int], float] = {}
+        for phase, train_steps, evaluations in phases:
+            b = self.per_rank_batch(phase)
+            steps[True, b, phase.image_size] = steps.get((True, b, phase.image_size), 0) + train_steps
+            eval_steps = evaluations * math.ceil(val_size / self.topo.world_size / max(1, b))
+            if eval_steps:
+                size = phase.val_image_size or phase.image_size
+                steps[False, b, size] = steps.get((False, b, size), 0) + eval_steps
         gen = torch.Generator().manual_seed(0)
-        return [Probe((torch.randn(b, 3, size, size, generator=gen),
-                       torch.randint(0, self.data.num_classes, (b,), generator=gen)), n, f"{b}x{size}px")
-                for (b, size), n in steps.items()]
-
-    def prepare_probe(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.to_device(*batch)
+        return [Probe((torch.randn(b, 3, size, size, generator=gen).to(dtype).contiguous(memory_format=layout),
+                       torch.randint(0, self.data.num_classes, (b,), generator=gen)), n,
+                      f"{'train' if train else 'eval'} {b}x{size}px {str(dtype)[6:]}", train)
+                for (train, b, size), n in steps.items()]
 
     # ------------------------------------------------------------ data (continued)
 

@@ -41,12 +41,12 @@ from tqdm import tqdm
 from trainer.checkpoint import (MODEL, SHARED, CheckpointWriter, CheckpointWriteError, CorruptCheckpointError,
                                 legacy_error, legacy_files, load_file, rank_file, read_manifest, step_dir_name,
                                 step_dirs, verify_files)
-from trainer.comm import Communicator
+from trainer.comm import CommConfig, Communicator, build_communicator
 from trainer.config import require, to_dict
 from trainer.dist import ReplicaGuard, Topology, all_reduce_sum, broadcast_flag, broadcast_module
 from trainer.metrics import LogConfig, MetricsLogger
 from trainer.optim import set_lr_momentum
-from trainer.choices import ChoiceCache, Decision, RunStep, Timer, cache_folder, decide, run_key, wall_timer
+from trainer.choices import ChoiceCache, Decision, RunStep, cache_folder, checked_choice, decide, run_key, wall_timer
 from trainer.precision import AMP_DTYPES, amp_candidates, autocast, build_grad_scaler
 from trainer.run_record import add_to_run_record
 from trainer.rng import rng_state, seed_rank, set_rng_state
@@ -194,8 +194,6 @@ class Components:
     """Rank 0's writers; the null logger writes nothing."""
     guard: ReplicaGuard | None = None
     """The replica-consistency check (dist.check_every_steps); None = never."""
-    timer: Timer | None = None
-    """How measured choices time a step (trainer/choices.py); None = the wall clock."""
 
 
 @dataclass
@@ -263,7 +261,7 @@ class Trainer:
         self.scaler = build_grad_scaler(cfg.train.loss_scale, self.amp_dtype, topo.device)
         self.decision: Decision | None = None
         """The measured choices the run trains with: set by `settle_choices`, or restored from a checkpoint."""
-        self.timer = components.timer or wall_timer(topo.device)
+
         # Whether the scaler applied the step, learnt from the optimizer's post-step hook instead of reading
         # the scale back: a plain optimizer's step is not called after an overflow (the scaler's inf check is
         # the step's one host sync); a fused one (torch's fused Adam) is always called and skips inside,
@@ -602,24 +600,46 @@ class Trainer:
     # ------------------------------------------------------------ measured choices
 
     def settle_choices(self) -> None:
-        """Collective, before the clock: the choices left at auto (precision here, the task's own choices such
-        as memory layout) measured on the run's model at every phase's shape, or read from this machine's
-        cache, unless a resume restored the checkpoint's; applied, and recorded (log.dir/env.json, metrics,
-        printed on rank 0). A checkpoint that holds no choices resumes with freshly decided ones."""
-        if self.decision is None:
-            space = {"amp": self.amp_candidates, **self.task.choice_space()}
-            probes = self.task.probes([(p, self.steps_per_epoch(p) * (p.end_epoch - p.start_epoch))
-                                       for p in self.phases])
+        """Collective, before the clock: the choices left at auto (precision here, the task's own such as memory
+        layout) measured on the run's model at every shape it trains and evaluates at, or read from this
+        machine's cache, unless a resume restored the checkpoint's; then applied. A checkpoint without choices
+        resumes with freshly decided ones; one whose choice the config or the device no longer allows is a
+        ConfigError."""
+        space = {"amp": self.amp_candidates, **self.task.choice_space()}
+        if self.decision is not None:
+            self.decision.choice = checked_choice(self.decision.choice, space)
+        else:
+            # cuDNN's autotuning as training will have it (run_epoch sets it per phase), so that the candidates'
+            # convolutions are the ones they would train with
+            torch.backends.cudnn.benchmark = not self.train_cfg.deterministic
+            last = self.train_cfg.epochs - 1
+            evaluations = {p.start_epoch: sum(1 for e in range(p.start_epoch, p.end_epoch)
+                                              if e == last or (e + 1) % self.train_cfg.eval_every_epochs == 0)
+                           for p in self.phases}
+            probes = self.task.probes([(p, self.steps_per_epoch(p) * (p.end_epoch - p.start_epoch),
+                                        evaluations[p.start_epoch]) for p in self.phases])
             folder = cache_folder(self.train_cfg.choices_cache)
             rounds = self.train_cfg.calibration_rounds
-            self.decision = decide(space, probes, RunStep(self.task, self.comm, self.topo.device), self.topo,
+            self.decision = decide(space, probes, RunStep(self.task, self.comm, self.optimizer, self.topo.device, self.measuring_exchange()), self.topo,
                                    ChoiceCache(folder) if folder else None,
-                                   run_key(self.topo, self.model, space, probes, rounds), rounds, self.timer)
+                                   run_key(self.topo, self.model, space, probes, rounds), rounds,
+                                   wall_timer(self.topo.device))
         choice = self.decision.choice
         self.amp_dtype = AMP_DTYPES[choice["amp"]]
         self.scaler = build_grad_scaler(self.train_cfg.loss_scale, self.amp_dtype, self.topo.device)
         self.task.apply_choices({k: v for k, v in choice.items() if k != "amp"})
-        if self.topo.is_main:
+
+    def measuring_exchange(self) -> Communicator | None:
+        """A dense communicator for the measurement's steps (detached at once: the measurement hooks it in)."""
+        if not self.topo.distributed:
+            return None
+        exchange = build_communicator(CommConfig(kind="dense"), self.model, self.topo)
+        exchange.detach()
+        return exchange
+
+    def record_choices(self) -> None:
+        """Rank 0: the decision printed, logged at the current step and written to log.dir/env.json."""
+        if self.topo.is_main and self.decision is not None:
             print(self.decision.describe(), flush=True)
             self.metrics.log("choices", self.step, self.decision.metrics())
             add_to_run_record(Path(self.log_cfg.dir), "choices", self.decision.to_dict())
@@ -721,6 +741,7 @@ class Trainer:
         if resumed_from is None:
             broadcast_module(self.model, self.topo)
             self.settle_choices()
+        self.record_choices()
         self.print_plan(resumed_from)
         untrained = self.test("untrained") if resumed_from is None else {}
         restore_handlers = self.install_preemption_handlers()

@@ -26,12 +26,11 @@ AMP_DTYPES: dict[str, torch.dtype | None] = {"off": None, "bf16": torch.bfloat16
 """The autocast dtype of each train.amp value (None = full precision)."""
 
 
-def amp_candidates(amp: str, device: torch.device, cuda_bf16: bool | None = None) -> list[str]:
+def amp_candidates(amp: str, device: torch.device) -> list[str]:
     """The precisions `train.amp` leaves to measure on `device`: auto = fp32 and bf16 on the CPU, bf16 (where
-    the GPU supports it) and fp16 on CUDA; a pinned value alone, after checking that the device runs it
-    (`cuda_bf16`: whether the GPU computes bf16; read from torch when None)."""
-    if device.type == "cuda" and cuda_bf16 is None:
-        cuda_bf16 = torch.cuda.is_bf16_supported()
+    the GPU computes it natively) and fp16 on CUDA; a pinned value alone, after checking that the device runs
+    it."""
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
     if amp == "auto":
         return ["off", "bf16"] if device.type != "cuda" else (["bf16", "fp16"] if cuda_bf16 else ["fp16"])
     if amp == "fp16" and device.type != "cuda":

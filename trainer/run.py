@@ -24,6 +24,7 @@ from trainer.devices import gpu_requests, require_cuda_for
 from trainer.dist import ReplicaGuard, Topology, setup_distributed, teardown_distributed
 from trainer.loop import Components, Trainer
 from trainer.metrics import RUN_OUTPUTS, build_metrics
+from trainer.precision import amp_candidates
 from trainer.rng import seed_everything
 from trainer.run_record import write_run_record
 from trainer.task import Task
@@ -57,6 +58,8 @@ def train(cfg: Any, build_data: BuildData, build_task: BuildTask) -> dict[str, A
     """`run` after parsing: `cfg` is a recipe's root config (sections model, data, optim, schedule, comm,
     dist, train, log)."""
     require_cuda_for(gpu_requests(cfg.dist.backend, cfg.train.amp))  # before any process group or data
+    if cfg.dist.backend == "nccl":
+        amp_candidates(cfg.train.amp, torch.device("cuda"))  # a pinned precision this GPU cannot run
     topo = setup_distributed(cfg.dist)
     with contextlib.ExitStack() as cleanup:  # closes in reverse: metrics, data, then the process group
         cleanup.callback(teardown_distributed)

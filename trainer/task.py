@@ -83,13 +83,15 @@ class Task(Protocol):
     def apply_choices(self, choice: dict[str, Any]) -> None:
         """Switch to `choice`: a value for every name of `choice_space`."""
 
-    def probes(self, phases: list[tuple[Phase, int]]) -> list[Probe]:
-        """A batch per distinct training shape of the run, for measured choices, from the (phase, steps in the
-        run) pairs; [] = nothing to measure with (choices left at auto keep their first candidate)."""
+    def probes(self, phases: list[tuple[Phase, int, int]]) -> list[Probe]:
+        """A batch per distinct shape the run trains or evaluates at, for measured choices, from (phase,
+        training steps, evaluations) per phase; [] = nothing to measure with (choices left at auto keep their
+        first candidate)."""
         return []
 
     def prepare_probe(self, batch: Any) -> Any:
-        """A probe's batch as `loss` takes it under the applied choices (e.g. in the model's memory layout)."""
+        """A probe's batch as `loss` takes it under the applied choices (e.g. moved into the model's memory
+        layout, as every training batch is)."""
         return batch
 
     def state_dict(self) -> dict[str, Any]:

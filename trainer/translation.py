@@ -77,11 +77,15 @@ class TranslationTask(Task):
     def loss(self, batch: TranslationBatch) -> tuple[torch.Tensor, int]:
         return translation_loss(self.model, batch, self.label_smoothing)
 
-    def probes(self, phases: list[tuple[Phase, int]]) -> list[Probe]:
+    def probes(self, phases: list[tuple[Phase, int, int]]) -> list[Probe]:
         """The first batch of epoch 0 (batches hold a fixed number of tokens; the order is a pure function of
-        seed and epoch, so reading it changes nothing), standing for every step of the run."""
+        seed and epoch, so reading it changes nothing), standing for every training step of the run; the BLEU
+        evaluations (greedy decoding) are not measured."""
         batch = next(iter(self.train_batches(phases[0][0], 0)), None)
-        return [] if batch is None else [Probe(batch, sum(n for _, n in phases), "first batch")]
+        if batch is None:
+            return []
+        shapes = "x".join(str(n) for n in batch.src.shape) + "->" + "x".join(str(n) for n in batch.tgt_in.shape)
+        return [Probe(batch, sum(n for _, n, _ in phases), f"train {shapes} tokens")]
 
     def bleu(self, split: Any, limit: int = 0) -> float:
         """Collective: sacreBLEU of greedy translations of `split` (the first `limit` pairs; 0 = all)."""
