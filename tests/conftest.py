@@ -9,6 +9,9 @@ runs, torchrun launches, faults), cluster (needs root: network namespaces, tmpfs
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -54,36 +57,42 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, *args: Any, timeout: flo
         pytest.fail(str(e))
 
 
+PROCESS_STARTERS = re.compile(r"(python[\d.]*|torchrun|horovodrun|make|bash|sh|env)")
+"""Programs that start Python (or a shell that may): what a unit test must not run."""
+
+
 @pytest.fixture(autouse=True)
 def unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """The unit tier's promise, kept: a unit test that starts a Python process (a multiprocessing child, a
-    script, torchrun, a recipe) fails, saying to mark it dist or e2e. Short tools (git, uname) may run."""
+    script, torchrun, a recipe, a shell) fails, saying to mark it dist or e2e. Short tools (git, uname) may run.
+    Module- and session-scoped fixtures are set up before this guard: a test that uses one that starts
+    processes is marked by hand."""
     if tier_of(request.node) != "unit":
         return
     import multiprocessing.process
-    import os
     import subprocess
 
-    def refuse() -> None:
+    def refuse(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError(f"{request.node.nodeid} is in the unit tier but starts a Python process: mark it dist "
                            "(process groups) or e2e (runs, scripts, launches)")
     popen_init = subprocess.Popen.__init__
 
     def checked_popen(self: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> None:
         program = args if isinstance(args, (str, bytes, os.PathLike)) else args[0]
-        name = os.path.basename(os.fsdecode(program)).split()[0] if program else ""
-        if name.startswith(("python", "torchrun", "horovodrun", "make", "bash", "sh")):
+        words = os.fsdecode(program).split() if kwargs.get("shell") or isinstance(args, str) else [os.fsdecode(program)]
+        if words and (PROCESS_STARTERS.fullmatch(os.path.basename(words[0])) or words[0] == sys.executable):
             refuse()
         popen_init(self, args, *rest, **kwargs)
     monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", lambda self: refuse())
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(os, "system", refuse)
+    monkeypatch.setattr(os, "posix_spawn", refuse)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def choices_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The measured-choices cache of this test session (trainer/choices.py reads $XDG_CACHE_HOME, and so do the
     ranks and runs the tests start): never the user's."""
-    import os
     before = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
     yield Path(os.environ["XDG_CACHE_HOME"])
