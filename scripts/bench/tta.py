@@ -252,9 +252,9 @@ def recipe_cmd(config: str, run_dir: Path, disk: Path, ram: Path, seed: int, tar
 
 def recipe_precision() -> tuple[str, list[str]]:
     """How the recipe's precision is set, in words, and the overrides that set it: measured at start-up on
-    this machine (train.amp: auto in the frozen config; each run's choice is in its run.json), no flag
-    decides it. The baseline trains in fp32."""
-    return "measured at start-up (train.amp: auto; each run's choice in its run.json)", []
+    this machine (train.amp: auto in the frozen config; each run's choice is in its env.json and run.json), no
+    flag decides it. The baseline trains in fp32."""
+    return "measured at start-up (train.amp: auto; each run's choice in its env.json)", []
 
 
 def run_side(side: str, seed: int, out: Path, target: float, consecutive: int, overrides: Sequence[str],
