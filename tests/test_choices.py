@@ -50,11 +50,11 @@ def penalty(when, seconds: float = 1.0, log: list | None = None) -> Timer:
 
 
 def decide_for(task: ClassificationTask, timer: Timer, cache: ChoiceCache | None = None,
-               topo: Topology = Topology(), amp: str = "auto"):
+               topo: Topology = Topology(), amp: str = "auto", budget: float = float("inf")):
     space = {"amp": amp_candidates(amp, CPU), **task.choice_space()}
     probes = task.probes([(p, 8 * (p.end_epoch - p.start_epoch), 1) for p in PHASES])
     step = RunStep(task, LocalCommunicator(topo), torch.optim.SGD(task.model.parameters(), lr=0.1, momentum=0.9), CPU)
-    return decide(space, probes, step, topo, cache, run_key(topo, task.model, space, probes, 2), 2, timer)
+    return decide(space, probes, step, topo, cache, run_key(topo, task.model, space, probes, 2), 2, timer, budget)
 
 
 @pytest.mark.parametrize("name,slow", [("amp", "bf16"), ("amp", "off"), ("channels_last", True),
@@ -101,6 +101,15 @@ def test_the_task_applies_each_choice_both_ways():
     assert task.model[0].weight.is_contiguous() and type(task.model[0]) is nn.Conv2d
     images, _ = task.prepare_probe(task.probes([(PHASES[0], 1, 0)])[0].batch)
     assert images.is_contiguous()
+
+
+@pytest.mark.parametrize("budget,rounds", [(float("inf"), 3), (1e-9, 2)])
+def test_the_budget_stops_the_rounds_after_the_first_measured_one(budget, rounds):
+    """rounds = the warm-up and the measured ones the kept candidate ran (2 measured at most here)."""
+    log: list = []
+    decision = decide_for(small_task(), penalty(lambda c: c["amp"] == "bf16", log=log), budget=budget)
+    probes = len(small_task().probes([(p, 8 * (p.end_epoch - p.start_epoch), 1) for p in PHASES]))
+    assert sum(c == decision.choice for c in log) == rounds * probes
 
 
 def test_a_failing_candidate_is_dropped_with_a_warning():

@@ -155,18 +155,22 @@ further (its cost stays its estimate so far)."""
 
 
 def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rounds: int, timer: Timer,
-            reduce: Callable[[list[float]], list[float]] = lambda costs: costs) -> list[float]:
+            reduce: Callable[[list[float]], list[float]] = lambda costs: costs, budget: float = math.inf
+            ) -> list[float]:
     """Per candidate: the sum over probes of (the probe's steps x the median of its timed steps), in seconds;
     candidates interleaved round by round. Round 0 warms each candidate up (first-touch allocations, kernel
     selection) and is timed only to drop candidates far behind (`WARMUP_PRUNE`); then up to `rounds` measured
     rounds, after each of which candidates clearly behind are dropped (`ROUND_PRUNE`), so slow candidates cost
-    little. `reduce` averages a cost list over the ranks (every rank then drops the same candidates). A
+    little; no further round starts once the measurement's own seconds exceed `budget` x the best candidate's
+    cost (the first measured round always runs). `reduce` averages a cost list over the ranks (every rank then
+    drops the same candidates and stops alike). A
     candidate that raises (an unsupported kernel, out of memory, anything) is `inf`, with a warning naming it
     and the error, and every rank still reaches the collectives."""
     times: dict[tuple[int, int], list[float]] = {(c, p): [] for c in range(len(candidates)) for p in range(len(probes))}
     failed: set[int] = set()
     active = list(range(len(candidates)))
     costs = [math.inf] * len(candidates)
+    start = time.perf_counter()
     for r in range(rounds + 1):
         for c in active:
             choice = candidates[c]
@@ -187,12 +191,14 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
         local = [math.inf if c in failed or not all(times[c, p] for p in range(len(probes))) else
                  sum(probe.steps * statistics.median(times[c, p]) for p, probe in enumerate(probes))
                  for c in range(len(candidates))]
-        round_costs = reduce(local)
+        *round_costs, spent = reduce([*local, time.perf_counter() - start])
         for c in active:
             costs[c] = round_costs[c]
         best = min((costs[c] for c in active), default=math.inf)
         factor = WARMUP_PRUNE if r == 0 else ROUND_PRUNE
         active = [c for c in active if math.isfinite(costs[c]) and costs[c] <= factor * best]
+        if r >= 1 and spent > budget * best:
+            break
     return costs
 
 
@@ -326,7 +332,8 @@ def checked_choice(choice: Choice, space: dict[str, Sequence[Any]]) -> Choice:
 
 
 def decide(space: dict[str, Sequence[Any]], probes: list[Probe], subject: Subject, topo: Topology,
-           cache: ChoiceCache | None, key: dict[str, Any], rounds: int, timer: Timer) -> Decision:
+           cache: ChoiceCache | None, key: dict[str, Any], rounds: int, timer: Timer, budget: float = math.inf
+           ) -> Decision:
     """Collective: the combination every rank keeps. Nothing at auto: the pinned values, unmeasured. Else rank
     0's cache entry for `key` when there is one; else every rank measures, the costs are averaged over the
     ranks (all ranks then pick alike), the least is kept and rank 0 writes it to the cache."""
@@ -347,7 +354,7 @@ def decide(space: dict[str, Sequence[Any]], probes: list[Probe], subject: Subjec
     def mean_over_ranks(costs: list[float]) -> list[float]:
         return [cost / topo.world_size for cost in all_reduce_sum(costs, topo)] if topo.distributed else costs
     with subject.preserved():
-        costs = measure(candidates, probes, subject, rounds, timer, mean_over_ranks)
+        costs = measure(candidates, probes, subject, rounds, timer, mean_over_ranks, budget)
     if topo.device.type == "cuda":
         torch.cuda.empty_cache()  # the candidates' workspaces
     best = pick(costs)

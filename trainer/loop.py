@@ -134,6 +134,9 @@ class TrainConfig:
     calibration_rounds: int = 3
     """Measured choices (train.amp, train.channels_last, model.small_map_gemm left at auto): timed steps per
     candidate combination and phase shape at start-up, after one warm-up step each; the median counts."""
+    calibration_budget: float = 0.1
+    """Measured choices: no further round starts once the measurement has spent this fraction of the best
+    candidate's predicted seconds for the run (the warm-up and one measured round always run)."""
     choices_cache: str = "auto"
     """Folder of the per-machine cache of measured choices (a second identical run starts without measuring):
     auto = $XDG_CACHE_HOME/dawnbench-recipes/choices (~/.cache/... when unset); none = measure every run."""
@@ -151,6 +154,7 @@ class TrainConfig:
                 ">= 0, train.keep_checkpoints > 0")
         require(self.max_skipped_steps > 0, f"train.max_skipped_steps: must be > 0, got {self.max_skipped_steps}")
         require(self.calibration_rounds >= 1, f"train.calibration_rounds: must be >= 1, got {self.calibration_rounds}")
+        require(self.calibration_budget > 0, f"train.calibration_budget: must be > 0, got {self.calibration_budget}")
         require(self.preempt_grace_s > 0 and self.preempt_check_every_steps > 0,
                 "train.preempt_grace_s and train.preempt_check_every_steps must be > 0")
 
@@ -623,7 +627,7 @@ class Trainer:
             self.decision = decide(space, probes, RunStep(self.task, self.comm, self.optimizer, self.topo.device, self.measuring_exchange()), self.topo,
                                    ChoiceCache(folder) if folder else None,
                                    run_key(self.topo, self.model, space, probes, rounds), rounds,
-                                   wall_timer(self.topo.device))
+                                   wall_timer(self.topo.device), self.train_cfg.calibration_budget)
         choice = self.decision.choice
         self.amp_dtype = AMP_DTYPES[choice["amp"]]
         self.scaler = build_grad_scaler(self.train_cfg.loss_scale, self.amp_dtype, self.topo.device)
