@@ -68,7 +68,7 @@ def load_span(record: dict[str, Any]) -> tuple[float, float, bool] | None:
     runs: for a result made of runs (the TTA bench), the lowest at a run's start and the highest at a run's end,
     since the file may be written later from the runs' folders; else the bench process's own."""
     runs = record["result"].get("runs")
-    if runs:
+    if isinstance(runs, list) and runs:  # the TTA bench's runs (the quickstart bench's are a dict by name)
         return min(r["load_before"] for r in runs), max(r["load_after"] for r in runs), True
     load = record.get("load_avg_1min") or {}
     return None if load.get("start") is None else (load["start"], load["end"], False)
