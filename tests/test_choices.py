@@ -101,6 +101,9 @@ def test_the_task_applies_each_choice_both_ways():
     assert task.model[0].weight.is_contiguous() and type(task.model[0]) is nn.Conv2d
     images, _ = task.prepare_probe(task.probes([(PHASES[0], 1, 0)])[0].batch)
     assert images.is_contiguous()
+    task.apply_choices({"channels_last": True, "small_map_gemm": False})
+    images, _ = task.prepare_probe(task.probes([(PHASES[0], 1, 0)])[0].batch)  # moved as a training batch is
+    assert images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous()
 
 
 @pytest.mark.parametrize("budget,rounds", [(float("inf"), 3), (1e-9, 2)])

@@ -292,15 +292,25 @@ def device_name(device: torch.device) -> str:
     return str(cpu_info()["model"])
 
 
+def cpu_flags() -> list[str]:
+    """The instruction-set flags that change which kernels run (a model name such as "AMD EPYC" can cover
+    machines with and without AVX-512)."""
+    from trainer.run_record import cpu_info
+    return sorted(set(cpu_info()["flags"] or []) & {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16",
+                                                      "avx512_fp16", "avx512_vnni"})
+
+
 def run_key(topo: Topology, model: torch.nn.Module, space: dict[str, Sequence[Any]], probes: list[Probe],
             rounds: int) -> dict[str, Any]:
-    """Everything that changes which candidate is fastest: the device model, the cores this process may use
+    """Everything that changes which candidate is fastest: the device model and the CPU's kernel-relevant flags,
+    the cores this process may use
     and its threads, torch, CUDA and cuDNN versions and cuDNN's autotuning, the kernel sources, world size and
     ranks per node, the model (class, parameter count, structure), the probes (shapes and steps), the
     candidates and the rounds."""
     structure = hashlib.sha256(repr(model).encode()).hexdigest()[:16]
     return _plain({
-        "device": device_name(topo.device), "device_type": topo.device.type, "cores": len(os.sched_getaffinity(0)),
+        "device": device_name(topo.device), "device_type": topo.device.type, "cpu_flags": cpu_flags(),
+        "cores": len(os.sched_getaffinity(0)),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if topo.device.type == "cuda" else None,
         "cudnn_benchmark": torch.backends.cudnn.benchmark if topo.device.type == "cuda" else None,

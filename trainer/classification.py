@@ -139,6 +139,9 @@ class ClassificationTask(Task):
                       f"{'train' if train else 'eval'} {b}x{size}px {str(dtype)[6:]}", train)
                 for (train, b, size), n in steps.items()]
 
+    def prepare_probe(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.to_device(*batch)  # as every training batch: on the device, in the model's layout
+
     # ------------------------------------------------------------ data (continued)
 
     def to_device(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
