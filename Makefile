@@ -163,25 +163,20 @@ bench: setup
 	  m=$${b%.py}; echo "== $$b"; $(PY) -m $${m//\//.} $(ARGS) || exit 1; done
 	$(PY) -m scripts.results_tables
 
+# The long benchmarks: each runs alone as `python -m scripts.bench.NAME $(ARGS)`, then the tables are regenerated.
+LONG_BENCHES := bench-choices bench-quickstart bench-tta bench-scaling
+$(LONG_BENCHES): bench-%: setup
+	$(PY) -m scripts.bench.$* $(ARGS)
+	$(PY) -m scripts.results_tables
+
 ## measured choices: an epoch of the TTA recipe at its defaults against every pinned precision x communicator
-bench-choices: setup
-	$(PY) -m scripts.bench.choices $(ARGS)
-	$(PY) -m scripts.results_tables
-
+bench-choices:
 ## the quickstarts timed: start-up measurement's share, time and accuracy (ARGS=--quick: the ResNet runs only)
-bench-quickstart: setup
-	$(PY) -m scripts.bench.quickstart $(ARGS)
-	$(PY) -m scripts.results_tables
-
+bench-quickstart:
 ## time to accuracy, recipe against the tuned torchvision reference on fresh seeds (ARGS=--quick: 2 seeds)
-bench-tta: setup
-	$(PY) -m scripts.bench.tta $(ARGS)
-	$(PY) -m scripts.results_tables
-
+bench-tta:
 ## step time of every exchange on an emulated cluster (root: network namespaces; ARGS=--quick)
-bench-scaling: setup
-	$(PY) -m scripts.bench.scaling $(ARGS)
-	$(PY) -m scripts.results_tables
+bench-scaling:
 
 # Emulated cluster on one machine (root; scripts/netem/): NODES network namespaces joined by RATE-shaped links,
 # one torchrun per node (make netem-up NODES=2 RATE=1gbit; make netem-run NPROC=2 CONFIG=... ARGS=...; make netem-down).

@@ -163,9 +163,8 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
     rounds, after each of which candidates clearly behind are dropped (`ROUND_PRUNE`), so slow candidates cost
     little; no further round starts once the measurement's own seconds exceed `budget` x the best candidate's
     cost (the first measured round always runs). `reduce` averages a cost list over the ranks (every rank then
-    drops the same candidates and stops alike). A
-    candidate that raises (an unsupported kernel, out of memory, anything) is `inf`, with a warning naming it
-    and the error, and every rank still reaches the collectives."""
+    drops the same candidates and stops alike). A candidate that raises (an unsupported kernel, out of memory,
+    anything) is `inf`, with a warning naming it and the error, and every rank still reaches the collectives."""
     times: dict[tuple[int, int], list[float]] = {(c, p): [] for c in range(len(candidates)) for p in range(len(probes))}
     failed: set[int] = set()
     active = list(range(len(candidates)))
@@ -178,12 +177,8 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
                 subject.apply(choice)
                 for p, probe in enumerate(probes):
                     seconds = timer(lambda: subject.step(probe.batch, probe.train), choice)
-                    if r == 0:
-                        times[c, p] = [seconds]  # replaced by the measured rounds
-                    elif r == 1:
-                        times[c, p] = [seconds]
-                    else:
-                        times[c, p].append(seconds)
+                    # the warm-up's time stands until the first measured round replaces it
+                    times[c, p] = [seconds] if r <= 1 else [*times[c, p], seconds]
             except Exception as e:  # noqa: BLE001 - one rank's failure must not leave the others in a collective
                 warnings.warn(f"measured choices: {label(choice)} failed and is dropped: "
                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)

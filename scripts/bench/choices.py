@@ -48,12 +48,7 @@ def run(out: Path, overrides: Sequence[str], size: int, data_cache: Path) -> dic
            "-m", "recipes.resnet50", "--config", CONFIG, f"log.dir={out}", "train.epochs=1", phase,
            f"data.root={DATA}", f"data.cache.dir={data_cache / 'disk'}", f"data.cache.ram_dir={data_cache / 'ram'}",
            "train.target_top1=0", "log.progress=false", "log.tensorboard=false", *overrides]
-    out.mkdir(parents=True)
-    with open(out / "train.log", "w") as log:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode:
-        tail = "".join((out / "train.log").read_text().splitlines(keepends=True)[-15:])
-        raise RuntimeError(f"{' '.join(cmd)}\nexited with status {done.returncode}:\n{tail}")
+    common.run_logged(cmd, out)
     return read(out)
 
 

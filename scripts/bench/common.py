@@ -194,6 +194,19 @@ def _cell(value: Any) -> str:
     return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
+def run_logged(cmd: Sequence[str], out: Path) -> float:
+    """Run `cmd` from the repository root with its output in out/train.log (`out` is created); its wall seconds.
+    A non-zero exit raises, with the command, its status and the log's last lines."""
+    out.mkdir(parents=True)
+    start = time.perf_counter()
+    with open(out / "train.log", "w") as log:
+        done = subprocess.run(list(cmd), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        tail = "".join((out / "train.log").read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"{' '.join(cmd)}\nexited with status {done.returncode}:\n{tail}")
+    return time.perf_counter() - start
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """Prints rows under headers in aligned columns (floats: 3 significant digits, no exponent)."""
     cells = [[_cell(v) for v in row] for row in rows]

@@ -34,14 +34,7 @@ def train(name: str, recipe: tuple, out: Path, cache: Path) -> dict[str, Any]:
     config, module, _, _ = recipe
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", module,
            "--config", config, f"log.dir={out}", f"train.choices_cache={cache}", "log.progress=false"]
-    out.mkdir(parents=True)
-    start = time.perf_counter()
-    with open(out / "train.log", "w") as log:
-        done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - start
-    if done.returncode:
-        tail = "".join((out / "train.log").read_text().splitlines(keepends=True)[-15:])
-        raise RuntimeError(f"{' '.join(cmd)}\nexited with status {done.returncode}:\n{tail}")
+    wall = common.run_logged(cmd, out)
     summary = json.loads((out / "summary.json").read_text())
     choices = (read_run_record(out) or {}).get("choices") or {}
     startup = float(choices.get("seconds", 0.0))
