@@ -8,6 +8,16 @@ from typing import Literal
 from data.cache import CacheConfig
 
 
+def worker_candidates(least: int, cores: int) -> list[int]:
+    """data.workers: auto's candidates: `least` (0 = in-process), then 1, 2, 4, ... up to `cores` (a rank's
+    share of the cores), and `cores` itself; at least 1 and 2 threads."""
+    out, n = {least, 1, 2, max(1, cores)}, 4
+    while n <= cores:
+        out.add(n)
+        n *= 2
+    return sorted(out)
+
+
 class DataConfigError(ValueError):
     """A mistake in the data section (the trainer's ConfigError carries the same meaning)."""
 
@@ -21,8 +31,10 @@ class DataConfig:
     """Input pipeline: dali (GPU decoding where CUDA exists, else DALI's CPU mode), torchvision, auto = dali
     where it is installed, or synthetic = random images with fixed labels made on the device, ImageNet-sized
     epochs, no files and `root` unused (a throughput check before the dataset is there; data/synthetic.py)."""
-    workers: int = 2
-    """Decoding threads (dali) or worker processes (torchvision) per rank."""
+    workers: int | Literal["auto"] = "auto"
+    """Decoding threads (dali) or worker processes (torchvision) per rank; auto = measured at start-up on the
+    run's own loader and model (trainer/run_choices.py) among 1, 2, 4, ... up to the cores per rank (0, in-process
+    loading, too for torchvision)."""
     min_scale: float = 0.35
     """Random-resized-crop lower bound on the crop's area fraction (phases may override it)."""
     hflip: bool = True
@@ -56,8 +68,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.prefetch_batches < 0:
             raise DataConfigError(f"data.prefetch_batches: must be >= 0, got {self.prefetch_batches}")
-        if self.workers < 0:
-            raise DataConfigError(f"data.workers: must be >= 0, got {self.workers}")
+        if self.workers != "auto" and (not isinstance(self.workers, int) or self.workers < 0):
+            raise DataConfigError(f"data.workers: must be auto or an integer >= 0, got {self.workers!r}")
         if not 0 < self.min_scale <= 1:
             raise DataConfigError(f"data.min_scale: must be in (0, 1], got {self.min_scale}")
         if self.val_resize_ratio < 1:

@@ -29,7 +29,7 @@ import torch
 from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
 
 from data.cache import cache_folder, lowres_short_side, open_split_cache, stats_dict
-from data.config import DataConfig
+from data.config import DataConfig, worker_candidates
 from data.dali_pipelines import PipelineSpec, build_pipeline, dali_decodes
 from data.layout import check_dataset, list_split
 from data.reader import Fetch, SampleReader
@@ -310,6 +310,9 @@ class DaliImageData:
         self.num_classes = check_dataset(cfg.root)
         self.cfg, self.rank, self.world_size, self.seed = cfg, rank, world_size, seed
         self.prefetch_batches = prefetch_batches
+        self.workers = 1 if cfg.workers == "auto" else cfg.workers
+        """Decoding threads of the loaders built from now on (data.workers; under auto, the measured value once
+        the trainer has set it)."""
         self._sources: weakref.WeakSet[BatchSource] = weakref.WeakSet()  # their threads stop before the cache closes
         gpu = device.type == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
@@ -344,19 +347,27 @@ class DaliImageData:
         lowres = self.readers[split].cache.lowres is not None and image_size <= self.cfg.cache.lowres_max_image_size
         return "lowres" if lowres else "encoded"
 
-    def spec(self, train: bool, fetch: Fetch, image_size: int, batch_size: int) -> PipelineSpec:
+    def spec(self, train: bool, fetch: Fetch, image_size: int, batch_size: int, workers: int | None = None
+             ) -> PipelineSpec:
         cfg = self.cfg
         return PipelineSpec(train=train, encoded=fetch == "encoded", image_size=image_size, batch_size=batch_size,
-                            threads=cfg.workers, device_id=self.device_id, mean=cfg.mean, std=cfg.std,
+                            threads=self.workers if workers is None else workers, device_id=self.device_id,
+                            mean=cfg.mean, std=cfg.std,
                             layout="HWC" if cfg.layout == "NHWC" else "CHW", float16=self.float16, seed=self.seed)
 
-    def train_loader(self, image_size: int, batch_size: int, min_scale: float = 0.0) -> DaliEpochLoader:
-        """Per-rank batches of random-resized crops at `image_size` (scale from `min_scale` or data.min_scale)."""
+    def worker_candidates(self, cores: int) -> list[int]:
+        """data.workers: auto's candidates for a rank with `cores` cores (DALI needs a thread)."""
+        return worker_candidates(1, cores) if self.cfg.workers == "auto" else [self.workers]
+
+    def train_loader(self, image_size: int, batch_size: int, min_scale: float = 0.0, workers: int | None = None
+                     ) -> DaliEpochLoader:
+        """Per-rank batches of random-resized crops at `image_size` (scale from `min_scale` or data.min_scale),
+        decoded by `workers` threads (default: `self.workers`)."""
         fetch = self.fetch_for("train", image_size)
         source = TrainSource(self.readers["train"], fetch, self.world_size, self.rank, batch_size, self.seed,
                              min_scale or self.cfg.min_scale, self.cfg.hflip, self.prefetch_batches)
         self._sources.add(source)
-        return DaliEpochLoader(self.spec(True, fetch, image_size, batch_size), source, self.device)
+        return DaliEpochLoader(self.spec(True, fetch, image_size, batch_size, workers), source, self.device)
 
     def val_loader(self, image_size: int, batch_size: int) -> DaliEpochLoader:
         """This rank's share of the validation set (less data.val_exclude), resized and center-cropped to
@@ -366,7 +377,7 @@ class DaliImageData:
         if key not in self._val_loaders:
             fetch = self.fetch_for("val", image_size)
             split = self.readers["val"].split
-            sizes = (header_sizes(split, self.cache_dir, self.cfg.workers, progress=self.rank == 0)
+            sizes = (header_sizes(split, self.cache_dir, self.workers, progress=self.rank == 0)
                      if uses_rect(self.cfg, image_size) else None)
             batches, crops = plan_val(self.val_kept, self.world_size, self.rank, batch_size, image_size, sizes)
             source = ValSource(self.readers["val"], fetch, batches, crops,

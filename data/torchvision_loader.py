@@ -25,7 +25,7 @@ from torchvision import datasets, transforms
 from torchvision.transforms import functional as F
 
 from data.cache import cache_folder
-from data.config import DataConfig
+from data.config import DataConfig, worker_candidates
 from data.layout import check_dataset, has_image_extension, list_split
 from data.rect_val import center_anchors, cover_sizes, header_sizes, plan_val, uses_rect, validation_subset
 
@@ -122,6 +122,9 @@ class TorchvisionImageData:
     def __init__(self, cfg: DataConfig, rank: int, world_size: int, seed: int, pin_memory: bool = False) -> None:
         self.num_classes = check_dataset(cfg.root)
         self.cfg, self.rank, self.world_size, self.seed, self.pin_memory = cfg, rank, world_size, seed, pin_memory
+        self.workers = 2 if cfg.workers == "auto" else cfg.workers
+        """Worker processes of the loaders built from now on (data.workers; under auto, the measured value once
+        the trainer has set it)."""
         self._train = TolerantImageFolder(f"{cfg.root}/train")
         self._val = TolerantImageFolder(f"{cfg.root}/val")
         self._val_files = [os.path.relpath(path, self._val.root).replace(os.sep, "/") for path, _ in self._val.samples]
@@ -139,8 +142,14 @@ class TorchvisionImageData:
     def _normalize(self) -> list:
         return [transforms.ToTensor(), transforms.Normalize(self.cfg.mean, self.cfg.std)]
 
-    def train_loader(self, image_size: int, batch_size: int, min_scale: float = 0.0) -> EpochLoader:
-        """Per-rank batches of random-resized crops at `image_size` (scale from `min_scale` or data.min_scale)."""
+    def worker_candidates(self, cores: int) -> list[int]:
+        """data.workers: auto's candidates for a rank with `cores` cores (0 = loading in the training process)."""
+        return worker_candidates(0, cores) if self.cfg.workers == "auto" else [self.workers]
+
+    def train_loader(self, image_size: int, batch_size: int, min_scale: float = 0.0, workers: int | None = None
+                     ) -> EpochLoader:
+        """Per-rank batches of random-resized crops at `image_size` (scale from `min_scale` or data.min_scale),
+        loaded by `workers` processes (default: `self.workers`)."""
         scale = (min_scale or self.cfg.min_scale, 1.0)
         aug = [transforms.RandomResizedCrop(image_size, scale=scale, antialias=True)]
         if self.cfg.hflip:
@@ -150,7 +159,8 @@ class TorchvisionImageData:
         sampler = ResumableSampler(ds, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=self.seed,
                                    drop_last=True)
         # Its own generator: without one, each epoch's iterator would draw worker seeds from the global RNG.
-        loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=self.cfg.workers, drop_last=True,
+        loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, drop_last=True,
+                            num_workers=self.workers if workers is None else workers,
                             pin_memory=self.pin_memory, generator=torch.Generator().manual_seed(self.seed),
                             persistent_workers=False)
         return EpochLoader(loader, sampler, self.seed)
@@ -165,14 +175,14 @@ class TorchvisionImageData:
             ds.transform = transforms.Compose([transforms.Resize(short_side, antialias=True),
                                                transforms.CenterCrop(image_size)] + self._normalize())
             shard = Subset(ds, self._val_kept[self.rank::self.world_size].tolist())
-            loader = DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=self.cfg.workers,
+            loader = DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=self.workers,
                                 pin_memory=self.pin_memory)
             return EpochLoader(loader, None, self.seed)
         batches, crops = plan_val(self._val_kept, self.world_size, self.rank, batch_size, image_size,
                                   self._val_sizes())
         ds = RectValDataset(copy.copy(self._val), {int(i): crop for b, crop in zip(batches, crops) for i in b},
                             short_side, transforms.Compose(self._normalize()))
-        loader = DataLoader(ds, batch_sampler=[b.tolist() for b in batches], num_workers=self.cfg.workers,
+        loader = DataLoader(ds, batch_sampler=[b.tolist() for b in batches], num_workers=self.workers,
                             pin_memory=self.pin_memory)
         return EpochLoader(loader, None, self.seed)
 
@@ -181,7 +191,7 @@ class TorchvisionImageData:
         split = list_split(self.cfg.root, "val", classes=self._val.classes)
         if split.files != self._val_files:
             raise RuntimeError(f"{split.folder}: ImageFolder and data.layout list different validation files")
-        return header_sizes(split, cache_folder(self.cfg.cache, self.cfg.root), self.cfg.workers,
+        return header_sizes(split, cache_folder(self.cfg.cache, self.cfg.root), self.workers,
                             progress=self.rank == 0)
 
     def stats(self) -> dict[str, float]:

@@ -4,6 +4,7 @@ share when they measure differently; the per-machine cache; a resumed run keeps 
 
 import json
 import shutil
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,10 @@ from kernels.small_conv import SmallMapConv2d
 from recipes.resnet50 import main
 from tests.conftest import run_ranks
 from trainer.checkpoint import checkpoint_dirs, load_model_state
-from trainer.choices import Choice, ChoiceCache, RunStep, Timer, checked_choice, decide, label, run_key, wall_timer
+from trainer.choices import Choice, ChoiceCache, Timer, checked_choice, decide, label, run_key, wall_timer
+from trainer.comm.sparse import select_payload
+from trainer.choices import Probe
+from trainer.run_choices import RunStep, SelectionStep, settle
 from trainer.classification import ClassificationTask, ClassificationTrainConfig
 from trainer.comm import LocalCommunicator
 from trainer.config import ConfigError
@@ -28,12 +32,12 @@ CPU = torch.device("cpu")
 PHASES = [Phase(0, 2, image_size=8, batch_size=4), Phase(2, 3, image_size=12, batch_size=4)]
 
 
-def small_task(topo: Topology = Topology()) -> ClassificationTask:
+def small_task(topo: Topology = Topology(), classes: int = 4) -> ClassificationTask:
     torch.manual_seed(0)
     # The second convolution's output is 2x2 at 8 px (the GEMM path) and 3x3 at 12 px (F.conv2d).
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=4),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.5), nn.Linear(8, 4))
-    data = SimpleNamespace(num_classes=4, train_size=32, val_size=12)
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.5), nn.Linear(8, classes))
+    data = SimpleNamespace(num_classes=classes, train_size=32, val_size=12)
     return ClassificationTask(model, data, topo, PHASES, ClassificationTrainConfig(channels_last="auto"), 0.0,
                               small_map_gemm="auto")
 
@@ -251,3 +255,55 @@ def test_a_resumed_run_keeps_the_checkpoints_decision_not_the_caches(tmp_path, d
     assert json.loads((out / "env.json").read_text())["choices"]["source"] == "checkpoint"
     for name, value in load_model_state(checkpoint_dirs(out)[0]).items():
         assert torch.equal(value, final[name]), name
+
+
+# ---------------------------------------------------------------- top-k selection and input threads
+
+
+@pytest.mark.parametrize("slow", ["mstopk", "torch"])
+def test_the_selection_measured_slower_is_not_kept(slow):
+    space = {"selection": ["mstopk", "torch"]}
+    probes = [Probe((4096, 0.01), 20, "select 4096"), Probe((1000, 0.1), 10, "select 1000")]
+    log: list = []
+    decision = decide(space, probes, SelectionStep(CPU, 20), Topology(), None, run_key(Topology(), None, space, probes, 2),
+                      2, penalty(lambda c: c["selection"] == slow, 0.05, log))
+    assert decision.source == "measured" and decision.choice == {"selection": {"mstopk": "torch", "torch": "mstopk"}[slow]}
+    assert decision.costs_s[f"selection_{slow}"] > 20 * 0.05  # every step of the slow one carried the penalty
+    assert {c["selection"] for c in log} == {"mstopk", "torch"}
+
+
+def test_torch_selection_sends_the_exact_top_k_in_index_order_and_keeps_the_rest():
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(3))
+    acc = x.clone()
+    payload = select_payload(acc, 50, 20, "torch")
+    values, indices = payload[:50], payload[50:].view(torch.int32).long()
+    assert torch.equal(indices, indices.sort().values)
+    assert set(indices.tolist()) == set(x.abs().topk(50).indices.tolist())
+    assert torch.equal(values, x[indices])
+    assert torch.equal(acc + torch.zeros_like(x).index_put_((indices,), values), x)  # sent + kept = the input
+
+
+def test_a_run_applies_the_measured_selection_and_input_threads(digits_root):
+    """`settle` on a real DALI loader of the digits (threads, no processes): input threads are measured on the
+    run's own loader and model (a timer double makes 1 thread slow) and applied; the loaders made for measuring
+    are stopped; a communicator without selection adds no selection choice."""
+    from data import DataConfig, build_image_data
+    task = small_task(classes=10)
+    task.data = build_image_data(DataConfig(root=str(digits_root), backend="dali"), 0, 1, seed=0)
+    try:
+        assert task.input_candidates(1) == [1, 2] and task.input_candidates(4) == [1, 2, 4]
+        step = RunStep(task, LocalCommunicator(Topology()), torch.optim.SGD(task.model.parameters(), lr=0.1), CPU)
+        log: list = []
+        slow = penalty(lambda c: c.get("workers") == 1 or c.get("amp") == "bf16", 1.0, log)
+        decision, space = settle(None, ["off", "bf16"], [(PHASES[0], 6, 1), (PHASES[1], 2, 1)], step, Topology(),
+                                 None, rounds=1, budget=float("inf"), timer=slow, cores=2)
+        assert decision.choice["amp"] == "off" and decision.choice["workers"] == 2 and "selection" not in decision.choice
+        assert set(space) == {"amp", "channels_last", "small_map_gemm"}
+        assert decision.costs_s["workers_1"] > decision.costs_s["workers_2"] and decision.source == "measured"
+        tried = [c["workers"] for c in log if "workers" in c]
+        assert tried[:2] == [1, 2] and tried[-1] == 2  # interleaved warm-up; 2 threads in the measured round
+        assert not [t for t in threading.enumerate() if t.name == "dali-source-prefetch" and t.is_alive()]
+        task.use_workers(decision.choice["workers"])
+        assert task.data.workers == 2 and task.loader_for(PHASES[0]).spec.threads == 2
+    finally:
+        task.data.close()

@@ -250,7 +250,7 @@ def test_a_peer_that_never_joins_raises_a_timeout_error(tmp_path, kind, world, p
 TINY = ["model.arch=resnet18", "data.workers=0", "train.channels_last=false", "train.amp=off", "model.small_map_gemm=true", "train.threads=1", "log.progress=false",
         "optim.lr=0.05", "schedule.total_epochs=3", "schedule.warmup_epochs=0", "train.max_steps_per_epoch=3",
         "train.target_top1=0", "comm.kind=hitopk", "comm.density=0.05", "comm.dense_below=1000",
-        "dist.ranks_per_node=1", "log.tensorboard=false"]
+        "dist.ranks_per_node=1", "log.tensorboard=false", "comm.selection=torch"]  # the torch.topk selection, bitwise
 
 
 def _recipe(rank: int, world: int, argv: list[str]) -> None:

@@ -48,7 +48,7 @@ def test_base_inheritance_and_precedence(tmp_path):
     cfg = load_config(Config, tmp_path / "b.yaml", ["optim.momentum=0.7", "train.seed=3"])
     assert cfg.optim.lr == pytest.approx(1e-3) and isinstance(cfg.optim.lr, float)
     assert cfg.optim.momentum == 0.7 and cfg.train.seed == 3 and cfg.train.epochs == 2
-    assert cfg.data.workers == 2  # dataclass default survives
+    assert cfg.data.workers == "auto"  # dataclass default survives
 
 def test_unknown_key_names_file_key_and_nearest(tmp_path):
     path = write(tmp_path / "x.yaml", "optim: {lrr: 0.1}\n")

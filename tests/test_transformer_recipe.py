@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "transformer_quickstart_cpu.yaml"
 TINY = ["model.d_model=32", "model.heads=2", "model.encoder_layers=1", "model.decoder_layers=1", "model.ffn_dim=64",
         "data.max_tokens=400", "train.amp=off", "schedule.warmup_epochs=0.5", "comm.kind=hitopk", "comm.density=0.05",
-        "comm.dense_below=0", "comm.dense_warmup_steps=5",
+        "comm.dense_below=0", "comm.dense_warmup_steps=5", "comm.selection=mstopk",
         "log.progress=false", "log.every_steps=5", "train.target_bleu=0"]
 
 

@@ -1,24 +1,17 @@
 """Measured choices: settings whose speed depends on the machine, timed at start-up instead of assumed.
 
-For every key a config leaves at `auto` (precision, memory layout, convolution implementation), each
-combination of the candidates runs a few steps of the run's own model at every shape the run trains and
-evaluates at (forward + backward at each phase's per-rank batch and image size; forward alone at the
-evaluation's), the batch's move into the candidate's layout included; the combination with the least time,
-weighted by the steps the run takes at each shape, is kept for the whole run, as `cudnn.benchmark` does for
-convolution algorithms. Candidates are
-interleaved round by round (drift hits them alike) and the median of each one's rounds counts. Every rank
-measures; the ranks' costs are averaged before the pick, so all take one decision. A candidate that fails
-(an unsupported kernel, out of memory) is dropped with a warning.
-
-The decision is cached per machine under a key of everything that changes the answer (`run_key`), recorded in
-the run folder, the metrics and every checkpoint, and a resumed run reuses the checkpoint's. docs/measured-
-choices.md describes the procedure, the cache and what each choice changes.
+The engine: candidates (every combination of the values of the choices measured together) are timed on probes
+(the shapes a run works at, each weighted by the steps it takes there), interleaved round by round (drift hits
+them alike), the median of each one's rounds counting; candidates far behind are dropped early; every rank
+measures and the ranks' costs are averaged before the pick, so all take one decision; a candidate that fails
+(an unsupported kernel, out of memory) is dropped with a warning. Decisions are cached per machine under a key
+of everything that changes the answer (`run_key`). What a training run measures with it is in
+trainer/run_choices.py; docs/measured-choices.md describes the procedure, the cache and each choice.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import itertools
 import json
@@ -30,17 +23,17 @@ import uuid
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from trainer.config import ConfigError
 from trainer.dist import Topology, all_reduce_sum
-from trainer.precision import AMP_DTYPES, autocast
 
 Choice = dict[str, Any]
 """One combination: a value per choice name, e.g. {"amp": "bf16", "channels_last": False}."""
-CONFIG_KEYS = {"amp": "train.amp", "channels_last": "train.channels_last", "small_map_gemm": "model.small_map_gemm"}
+CONFIG_KEYS = {"amp": "train.amp", "channels_last": "train.channels_last", "small_map_gemm": "model.small_map_gemm",
+               "selection": "comm.selection", "workers": "data.workers"}
 """The config key of each choice, for messages."""
 
 
@@ -116,6 +109,13 @@ class Decision:
     JSON) for a candidate that failed; from the measurement that made the decision (a cached decision's too)."""
     seconds: float = 0.0
     """Wall time spent deciding in this start (measuring, or reading the cache)."""
+
+    def joined(self, other: Decision) -> Decision:
+        """This decision and one over other choices, as one record: measured when either was measured."""
+        order = ("checkpoint", "measured", "cache", "default", "pinned")  # a resume's record says so
+        source = min(self.source, other.source, key=order.index)
+        return Decision({**self.choice, **other.choice}, source, {**self.costs_s, **other.costs_s},
+                        self.seconds + other.seconds)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON: a failed candidate's cost is null."""
@@ -197,12 +197,12 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
     return costs
 
 
-def pick(costs: Sequence[float]) -> int:
+def pick(costs: Sequence[float], names: Sequence[str] = ()) -> int:
     """The index of the least finite cost (the first on a tie); ValueError when every candidate failed."""
     finite = [i for i, cost in enumerate(costs) if math.isfinite(cost)]
     if not finite:
-        raise ValueError("measured choices: every candidate failed; pin the choices in the config "
-                         "(train.amp, train.channels_last, model.small_map_gemm)")
+        keys = ", ".join(CONFIG_KEYS.get(n, n) for n in names) or "the keys left at auto"
+        raise ValueError(f"measured choices: every candidate failed; pin the choices in the config ({keys})")
     return min(finite, key=lambda i: costs[i])
 
 
@@ -295,14 +295,13 @@ def cpu_flags() -> list[str]:
                                                       "avx512_fp16", "avx512_vnni"})
 
 
-def run_key(topo: Topology, model: torch.nn.Module, space: dict[str, Sequence[Any]], probes: list[Probe],
+def run_key(topo: Topology, model: torch.nn.Module | None, space: dict[str, Sequence[Any]], probes: list[Probe],
             rounds: int) -> dict[str, Any]:
     """Everything that changes which candidate is fastest: the device model and the CPU's kernel-relevant flags,
     the cores this process may use
     and its threads, torch, CUDA and cuDNN versions and cuDNN's autotuning, the kernel sources, world size and
     ranks per node, the model (class, parameter count, structure), the probes (shapes and steps), the
     candidates and the rounds."""
-    structure = hashlib.sha256(repr(model).encode()).hexdigest()[:16]
     return _plain({
         "device": device_name(topo.device), "device_type": topo.device.type, "cpu_flags": cpu_flags(),
         "cores": len(os.sched_getaffinity(0)),
@@ -310,8 +309,9 @@ def run_key(topo: Topology, model: torch.nn.Module, space: dict[str, Sequence[An
         "cudnn": torch.backends.cudnn.version() if topo.device.type == "cuda" else None,
         "cudnn_benchmark": torch.backends.cudnn.benchmark if topo.device.type == "cuda" else None,
         "kernels": kernels_build(), "world_size": topo.world_size, "ranks_per_node": topo.ranks_per_node,
-        "model": {"class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
-                  "structure": structure},
+        "model": None if model is None else {
+            "class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
+            "structure": hashlib.sha256(repr(model).encode()).hexdigest()[:16]},
         "probes": [[probe.name, probe.steps] for probe in probes], "space": {k: list(v) for k, v in space.items()},
         "rounds": rounds})
 
@@ -362,79 +362,9 @@ def decide(space: dict[str, Sequence[Any]], probes: list[Probe], subject: Subjec
         costs = measure(candidates, probes, subject, rounds, timer, mean_over_ranks, budget)
     if topo.device.type == "cuda":
         torch.cuda.empty_cache()  # the candidates' workspaces
-    best = pick(costs)
+    best = pick(costs, list(space))
     decision = Decision(candidates[best], "measured", {label(c): cost for c, cost in zip(candidates, costs)},
                         time.perf_counter() - start)
     if cache is not None and topo.is_main:
         cache.put(key, decision)
     return decision
-
-
-@contextlib.contextmanager
-def preserved_module(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
-    """Weights, buffers (BatchNorm statistics), gradients and the random generators as they were: the
-    measurement steps leave no trace in the run."""
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    grads = {p: None if p.grad is None else p.grad.detach().clone() for p in model.parameters()}
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for k, v in model.state_dict().items():
-                    v.copy_(saved[k])
-            for p, g in grads.items():
-                p.grad = g
-
-
-class RunStep:
-    """The Subject of a training run: the task's loss under the choice's autocast, then backward and the
-    optimizer's step (training probes) or the forward alone (evaluation probes), with the communicator's hooks
-    detached (no exchange, no residual touched); the task applies its own choices (memory layout, convolution
-    implementation). Weights, buffers, gradients, the optimizer's state and the generators are restored
-    afterwards."""
-
-    def __init__(self, task: Any, comm: Any, optimizer: torch.optim.Optimizer, device: torch.device,
-                 exchange: Any = None) -> None:
-        self.task, self.comm, self.optimizer, self.device = task, comm, optimizer, device
-        self.exchange = exchange
-        """A dense communicator hooked in while measuring (None on one process): every training probe's
-        gradients are averaged from backward's hooks, as in a training step, without touching the run's own
-        communicator (its residuals and measurements)."""
-        self.dtype: torch.dtype | None = None
-
-    def apply(self, choice: Choice) -> None:
-        self.dtype = AMP_DTYPES[choice.get("amp", "off")]
-        self.task.apply_choices({k: v for k, v in choice.items() if k != "amp"})
-
-    def step(self, batch: Any, train: bool) -> None:
-        model = self.task.model
-        model.train(train)
-        try:
-            with torch.set_grad_enabled(train), autocast(self.device, self.dtype):
-                loss, _ = self.task.loss(self.task.prepare_probe(batch))
-            if train:
-                loss.backward()
-                if self.exchange is not None:
-                    self.exchange.finish()
-                self.optimizer.step()  # its kernels see the layout of the weights and gradients too
-        finally:
-            model.zero_grad(set_to_none=True)  # a failed candidate leaves no partial gradients either
-
-    @contextlib.contextmanager
-    def preserved(self) -> Iterator[None]:
-        self.comm.detach()
-        if self.exchange is not None:
-            self.exchange.attach()
-        training = self.task.model.training
-        optimizer_state = copy.deepcopy(self.optimizer.state_dict())
-        try:
-            with preserved_module(self.task.model, self.device):
-                yield
-        finally:
-            self.optimizer.load_state_dict(optimizer_state)
-            self.task.model.train(training)
-            if self.exchange is not None:
-                self.exchange.detach()
-            self.comm.attach()

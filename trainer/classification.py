@@ -5,6 +5,7 @@ adds (targets, channels-last).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +142,20 @@ class ClassificationTask(Task):
 
     def prepare_probe(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.to_device(*batch)  # as every training batch: on the device, in the model's layout
+
+    def input_candidates(self, cores: int) -> list[int]:
+        candidates = getattr(self.data, "worker_candidates", None)  # synthetic data has no loader threads
+        return candidates(cores) if candidates is not None else []
+
+    def input_batches(self, phase: Phase, workers: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        loader = self.data.train_loader(phase.image_size, self.per_rank_batch(phase), phase.min_scale, workers=workers)
+        for epoch in itertools.count():
+            loader.set_epoch(epoch)
+            yield from loader
+
+    def use_workers(self, workers: int) -> None:
+        self.data.workers = workers
+        self._loader_phase = None  # the next phase's loader is built with them
 
     # ------------------------------------------------------------ data (continued)
 

@@ -46,8 +46,9 @@ from trainer.config import require, to_dict
 from trainer.dist import ReplicaGuard, Topology, all_reduce_sum, broadcast_flag, broadcast_module
 from trainer.metrics import LogConfig, MetricsLogger
 from trainer.optim import set_lr_momentum
-from trainer.choices import ChoiceCache, Decision, RunStep, cache_folder, checked_choice, decide, run_key, wall_timer
+from trainer.choices import ChoiceCache, Decision, cache_folder
 from trainer.precision import AMP_DTYPES, amp_candidates, autocast, build_grad_scaler
+from trainer.run_choices import NOT_CHECKPOINTED, RunStep, settle
 from trainer.run_record import add_to_run_record
 from trainer.rng import rng_state, seed_rank, set_rng_state
 from trainer.schedules import Phase, ScheduleConfig, build_schedule
@@ -312,7 +313,8 @@ class Trainer:
                 "comm_shared": {k: v for k, v in comm.items() if not holds_tensors(v)},
                 "comm_per_rank": sorted(k for k, v in comm.items() if holds_tensors(v)),
                 "comm_layout": self.comm_layout(),
-                "choices": None if self.decision is None else self.decision.choice,
+                "choices": None if self.decision is None else {k: v for k, v in self.decision.choice.items()
+                                                                if k not in NOT_CHECKPOINTED},
                 "config": self.run_config}
 
     def checkpoint_files(self) -> dict[str, Any]:
@@ -604,34 +606,30 @@ class Trainer:
     # ------------------------------------------------------------ measured choices
 
     def settle_choices(self) -> None:
-        """Collective, before the clock: the choices left at auto (precision here, the task's own such as memory
-        layout) measured on the run's model at every shape it trains and evaluates at, or read from this
-        machine's cache, unless a resume restored the checkpoint's; then applied. A checkpoint without choices
-        resumes with freshly decided ones; one whose choice the config or the device no longer allows is a
-        ConfigError."""
-        space = {"amp": self.amp_candidates, **self.task.choice_space()}
-        if self.decision is not None:
-            self.decision.choice = checked_choice(self.decision.choice, space)
-        else:
+        """Collective, before the clock: the choices left at auto measured on this run, or read from this
+        machine's cache, or (on a resume) the checkpoint's (`trainer/run_choices.settle`); then applied."""
+        if self.decision is None:
             # cuDNN's autotuning as training will have it (run_epoch sets it per phase), so that the candidates'
             # convolutions are the ones they would train with
             torch.backends.cudnn.benchmark = not self.train_cfg.deterministic
-            last = self.train_cfg.epochs - 1
-            evaluations = {p.start_epoch: sum(1 for e in range(p.start_epoch, p.end_epoch)
-                                              if e == last or (e + 1) % self.train_cfg.eval_every_epochs == 0)
-                           for p in self.phases}
-            probes = self.task.probes([(p, self.steps_per_epoch(p) * (p.end_epoch - p.start_epoch),
-                                        evaluations[p.start_epoch]) for p in self.phases])
-            folder = cache_folder(self.train_cfg.choices_cache)
-            rounds = self.train_cfg.calibration_rounds
-            self.decision = decide(space, probes, RunStep(self.task, self.comm, self.optimizer, self.topo.device, self.measuring_exchange()), self.topo,
-                                   ChoiceCache(folder) if folder else None,
-                                   run_key(self.topo, self.model, space, probes, rounds), rounds,
-                                   wall_timer(self.topo.device), self.train_cfg.calibration_budget)
+        last = self.train_cfg.epochs - 1
+        phases = [(p, self.steps_per_epoch(p) * (p.end_epoch - p.start_epoch),
+                   sum(1 for e in range(p.start_epoch, p.end_epoch)
+                       if e == last or (e + 1) % self.train_cfg.eval_every_epochs == 0)) for p in self.phases]
+        folder = cache_folder(self.train_cfg.choices_cache)
+        self.decision, space = settle(
+            self.decision, self.amp_candidates, phases,
+            RunStep(self.task, self.comm, self.optimizer, self.topo.device, self.measuring_exchange()),
+            self.topo, ChoiceCache(folder) if folder else None, self.train_cfg.calibration_rounds,
+            self.train_cfg.calibration_budget)
         choice = self.decision.choice
         self.amp_dtype = AMP_DTYPES[choice["amp"]]
         self.scaler = build_grad_scaler(self.train_cfg.loss_scale, self.amp_dtype, self.topo.device)
-        self.task.apply_choices({k: v for k, v in choice.items() if k != "amp"})
+        self.task.apply_choices({k: v for k, v in choice.items() if k in space and k != "amp"})
+        if "selection" in choice:
+            self.comm.use_selection(choice["selection"])
+        if "workers" in choice:
+            self.task.use_workers(choice["workers"])
 
     def measuring_exchange(self) -> Communicator | None:
         """A dense communicator for the measurement's steps (detached at once: the measurement hooks it in)."""

@@ -94,6 +94,19 @@ class Task(Protocol):
         layout, as every training batch is)."""
         return batch
 
+    def input_candidates(self, cores: int) -> list[int]:
+        """data.workers' candidates for a rank with `cores` cores when left at auto (trainer/run_choices.py); one
+        value when pinned; [] when the task's input has no such setting."""
+        return []
+
+    def input_batches(self, phase: Phase, workers: int) -> Iterator[Any]:
+        """Endless training batches of `phase` from a loader of its own with `workers`, as the loader delivers
+        them (for measuring `input_candidates`; closing the iterator stops the loader)."""
+        raise NotImplementedError
+
+    def use_workers(self, workers: int) -> None:
+        """Build the loaders from now on with `workers`."""
+
     def state_dict(self) -> dict[str, Any]:
         """Task state to checkpoint beyond the model (e.g. a data sampler's position); {} when none."""
         return {}

@@ -104,6 +104,18 @@ class Communicator:
         """Values to log once rather than every step (a calibration), cleared by the call."""
         return {}
 
+    def selection_candidates(self) -> list[str]:
+        """`comm.selection`'s values to measure on this run (trainer/choices.py); a single value when pinned or
+        when nothing is selected."""
+        return []
+
+    def selection_sizes(self) -> dict[tuple[int, float], int]:
+        """(elements, density) of the top-k selections a step may make -> how many per step."""
+        return {}
+
+    def use_selection(self, selection: str) -> None:
+        """Select top-k pairs by `selection` from now on."""
+
     # ------------------------------------------------------------ state (error feedback lives here)
 
     def state_dict(self) -> dict:

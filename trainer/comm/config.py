@@ -46,6 +46,10 @@ class CommConfig:
     hysteresis: float = 0.1
     """auto: the fraction by which measured chain times must move to re-decide, a new plan must be predicted
     faster, and a plan may measure slower than all dense before it reverts to dense."""
+    selection: Literal["auto", "mstopk", "torch"] = "auto"
+    """topk/hitopk/auto: how the k largest |g| are found: mstopk = the paper's threshold bisection
+    (kernels/mstopk.py), torch = torch.topk (exact), auto = measured at start-up on the run's selection sizes
+    (trainer/choices.py). They may pick different elements on ties and near the threshold."""
     selection_iters: int = 20
     """topk/hitopk: MSTopK bisection steps (more = closer to the exact top-k, same cost on the CPU path)."""
 
@@ -66,5 +70,7 @@ class CommConfig:
                 f"comm.trial_steps: must be 0 or >= 2 (the first step of a plan is not timed), got {self.trial_steps}")
         require(self.redecide_every >= 1, f"comm.redecide_every: must be >= 1, got {self.redecide_every}")
         require(0 <= self.hysteresis < 1, f"comm.hysteresis: must be in [0, 1), got {self.hysteresis}")
+        require(self.selection in ("auto", "mstopk", "torch"),
+                f"comm.selection: must be auto, mstopk or torch, got {self.selection!r}")
         require(1 <= self.selection_iters <= 32,
                 f"comm.selection_iters: must be in [1, 32], got {self.selection_iters}")

@@ -69,27 +69,49 @@ def scatter_payloads(payloads: torch.Tensor, parts: int, size: int, out: torch.T
     return out
 
 
-def select_payload(acc: torch.Tensor, k: int, iters: int) -> torch.Tensor:
-    """MSTopK's k (value, index) pairs of `acc`, packed; the picked elements of `acc` are cleared, so it holds
-    the unsent remainder. Raises ValueError (mstopk's) on non-finite values."""
-    values, indices = mstopk(acc, k, iters=iters)
+SELECTIONS = ("mstopk", "torch")
+"""The values of `comm.selection` besides auto: MSTopK's threshold bisection, or `torch.topk` (exact)."""
+
+
+def top_pairs(acc: torch.Tensor, k: int, iters: int, selection: str = "mstopk") -> tuple[torch.Tensor, torch.Tensor]:
+    """k (value, index) pairs of the largest |acc|, indices ascending, by `selection` (`SELECTIONS`). mstopk
+    raises ValueError on non-finite values (CPU path); torch.topk ranks NaN first, so a NaN is sent and the
+    step's gradient check sees it."""
+    if selection == "mstopk":
+        return mstopk(acc, k, iters=iters)
+    indices = acc.abs().topk(k, sorted=False).indices.sort().values  # ascending, as MSTopK's: same payload order
+    return acc[indices], indices
+
+
+def select_payload(acc: torch.Tensor, k: int, iters: int, selection: str = "mstopk") -> torch.Tensor:
+    """The k (value, index) pairs of `acc` chosen by `selection`, packed; the picked elements of `acc` are
+    cleared, so it holds the unsent remainder. Raises ValueError (mstopk's) on non-finite values."""
+    values, indices = top_pairs(acc, k, iters, selection)
     payload = pack(values, indices)  # before the fill below: values may be a view of acc
     acc.index_fill_(0, indices, 0.0)
     return payload
 
 
-def sparse_local_work(g: torch.Tensor, density: float, peers: int, iters: int, world: int = 1
-                      ) -> Callable[[], None]:
-    """One run of what a sparse exchange does around its collectives for the bucket or shard `g` (fp32), for
-    timing: add a residual, select and pack (`select_payload`), scatter-add `peers` payloads, average."""
-    residual, acc, out = torch.zeros_like(g), torch.empty_like(g), torch.empty_like(g)
-    k = k_of(g.numel(), density)
+class SparseLocalWork:
+    """What a sparse exchange does around its collectives for the bucket or shard `g` (fp32), for timing: add a
+    residual, select and pack (`select_payload`), scatter-add `peers` payloads, average. Its buffers are
+    allocated once, here."""
 
-    def run() -> None:
-        torch.add(g, residual, out=acc)
-        payload = select_payload(acc, k, iters)
-        scatter_payloads(payload.repeat(peers), peers, g.numel(), out).div_(world)
-    return run
+    def __init__(self, g: torch.Tensor, peers: int, iters: int, world: int = 1) -> None:
+        self.g, self.peers, self.iters, self.world = g, peers, iters, world
+        self.residual, self.acc, self.out = torch.zeros_like(g), torch.empty_like(g), torch.empty_like(g)
+
+    def __call__(self, density: float, selection: str = "mstopk") -> None:
+        torch.add(self.g, self.residual, out=self.acc)
+        payload = select_payload(self.acc, k_of(self.g.numel(), density), self.iters, selection)
+        scatter_payloads(payload.repeat(self.peers), self.peers, self.g.numel(), self.out).div_(self.world)
+
+
+def sparse_local_work(g: torch.Tensor, density: float, peers: int, iters: int, world: int = 1,
+                      selection: str = "mstopk") -> Callable[[], None]:
+    """`SparseLocalWork` on `g` at `density` by `selection`, as a call without arguments."""
+    work = SparseLocalWork(g, peers, iters, world)
+    return lambda: work(density, selection)
 
 
 class TopKCommunicator(ExchangeCommunicator):
@@ -102,6 +124,10 @@ class TopKCommunicator(ExchangeCommunicator):
         super().__init__(model, topo, cfg.bucket_mb)
         self.density, self.dense_below, self.dense_warmup_steps = cfg.density, cfg.dense_below, cfg.dense_warmup_steps
         self.intra, self.inter, self.iters = intra, inter, cfg.selection_iters
+        self.selection = "mstopk" if cfg.selection == "auto" else cfg.selection
+        """How the k largest are found; under comm.selection auto, the Trainer measures and sets it
+        (`use_selection`) before the first step."""
+        self.measure_selection = cfg.selection == "auto"
         self.residuals: dict[int, torch.Tensor] = {}
         """Error feedback per bucket index, unscaled: the unsent part of this rank's shard of the node's gradient."""
         self._spare: dict[int, torch.Tensor | None] = {}
@@ -116,6 +142,26 @@ class TopKCommunicator(ExchangeCommunicator):
         """(elements MSTopK selects from, k) for a sparse exchange of `bucket`."""
         size = math.ceil(bucket.numel / self.local_size)
         return size, self.k_of(size)
+
+    def selection_candidates(self) -> list[str]:
+        return list(SELECTIONS) if self.measure_selection and self.selection_sizes() else [self.selection]
+
+    def selection_sizes(self) -> dict[tuple[int, float], int]:
+        """(elements, density) of every selection a step makes -> how many a step makes: one per sparse bucket
+        (none on one node under hitopk: nothing is selected there)."""
+        if self.inter is None:
+            return {}
+        sizes: dict[tuple[int, float], int] = {}
+        for b in self.buckets:
+            if b.numel >= self.dense_below:
+                key = (self.selection_size(b)[0], self.density)
+                sizes[key] = sizes.get(key, 0) + 1
+        return sizes
+
+    def use_selection(self, selection: str) -> None:
+        if selection not in SELECTIONS:
+            raise ValueError(f"comm.selection: {selection!r} is not one of {SELECTIONS}")
+        self.selection = selection
 
     def k_of(self, size: int) -> int:
         """How many (value, index) pairs a shard of `size` elements sends."""
@@ -193,7 +239,7 @@ class TopKCommunicator(ExchangeCommunicator):
         k = k_of(size, density)
         start = time.perf_counter()
         try:
-            payload = select_payload(acc, k, self.iters)  # the unsent remainder becomes the new residual
+            payload = select_payload(acc, k, self.iters, self.selection)  # the unsent remainder: the new residual
             if scale is not None:
                 acc.div_(scale)
             self._updated.append((index, residual))
