@@ -2,8 +2,8 @@
 
 A command line over the package's cost model: each bucket's exchange is `trainer/comm/cost.py`'s list of
 collectives and local work, timed with alpha-beta links; a step is its compute plus the exposed exchange
-(`cost.exposed_s`, through `trainer.comm.auto.predict`); `comm.kind: auto`'s per-bucket choice is
-`trainer.comm.auto.choose` over `candidates`, as on the live cluster. This module adds what a plan needs
+(`cost.exposed_s`, through `cost.predict`); `comm.kind: auto`'s per-bucket choice is `cost.choose` over
+`cost.candidates`, as on the live cluster. This module adds what a plan needs
 around it: a cluster (nodes, GPUs per node, links, $ per node-hour), the model's buckets (the real model
 of the config, built on the meta device and packed as trainer/comm packs it), the compute time per step
 and the recipe's phases.
@@ -38,9 +38,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
-from trainer.comm.auto import build_network, candidates, choose, network_from_calibration, predict
-from trainer.comm.cost import DENSE, Choice, plan_summary, Layout, Link, Network, Selection, describe, exposed_s, fit_affine, \
-    with_inter_rate
+from trainer.comm.auto import build_network, network_from_calibration
+from trainer.comm.cost import DENSE, Choice, plan_summary, Layout, Link, Network, Selection, candidates, choose, \
+    describe, exposed_s, fit_affine, predict, with_inter_rate
 
 # ---------------------------------------------------------------- published figures and stated assumptions
 

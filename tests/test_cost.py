@@ -1,13 +1,16 @@
 """The cost model's formulas (trainer/comm/cost.py) on hand-computed cases: collective times, the exchanges'
-collectives, the bytes they send (the communicators' byte metrics), the exposed time and the link fit."""
+collectives, the bytes they send (the communicators' byte metrics), the exposed time, the link fit and the
+plan `choose` finds."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from trainer.comm.cost import (Choice, Collective, Layout, Link, Network, Selection, allgather_s, describe,
-                               exchange_bytes, exposed_s, fit_link, hierarchical_allreduce_s, k_of, reduce_scatter_s,
-                               ring_allreduce_s, sent_bytes)
+from trainer.comm.cost import (DENSE, Choice, Collective, Layout, Link, Network, Selection, allgather_s, candidates,
+                               choose, describe, exchange_bytes, exposed_s, fit_link, hierarchical_allreduce_s, k_of,
+                               reduce_scatter_s, ring_allreduce_s, sent_bytes)
 
 pytestmark = pytest.mark.unit
 
@@ -113,3 +116,42 @@ def test_fit_link_recovers_alpha_and_bandwidth():
     fitted = fit_link(points, 2 * (w - 1), 2 * (w - 1) / w)
     assert fitted.alpha_s == pytest.approx(2e-3)
     assert fitted.bytes_per_s == pytest.approx(50e6)
+
+
+def test_fit_link_survives_a_larger_probe_measured_faster():
+    noisy = fit_link([(1e4, 0.02), (1e6, 0.01)], 6, 1.5)  # noise hid the growth with size
+    assert noisy.alpha_s == 0 and math.isclose(noisy.bytes_per_s, 1.5e6 / 0.01)
+
+
+def test_a_bucket_that_hides_behind_backward_stays_dense_and_the_safe_density_bounds_the_choice():
+    lay = Layout(2, 2)
+    slow = Link(1e-4, 10e6)
+    net = Network(lay, {"world": slow, "world16": slow, "world_gather": slow, "inter": slow,
+                        "intra": Link(1e-5, 5e9)}, Selection(1e-4, 2e-9))
+    sizes = [6_000_000, 6_000_000]
+    opts = lambda n: candidates(n, lay, [0.01, 0.001], 0.01, 16384)  # noqa: E731
+    assert all(c.density >= 0.01 for c in opts(sizes[0]))
+    # bucket 0 is ready long before backward ends (its dense exchange hides), bucket 1 at the very end
+    plan, t = choose(sizes, [100.0, 0.0], net, opts, local_competes=False)
+    assert plan[0] == DENSE and plan[1].sparse
+    _, all_dense = choose(sizes, [100.0, 0.0], net, lambda n: [DENSE], local_competes=False)
+    assert t < all_dense
+    assert math.isfinite(t)
+
+
+def test_many_small_buckets_move_together_when_no_single_move_clears_the_margin():
+    # 50 buckets ready at the end of backward: each one's 16-bit wire saves ~1% of the exposed time, below the
+    # per-move margin, but all of them together halve it
+    lay = Layout(2, 2)
+    link = Link(1e-5, 1e9)
+    net = Network(lay, {"world": link, "world16": link, "intra": Link(1e-6, 1e10)})
+    sizes = [250_000] * 50
+    opts = lambda n: [DENSE, Choice("dense16")]  # noqa: E731
+    plan, t = choose(sizes, [0.0] * 50, net, opts, local_competes=False)
+    assert plan == [Choice("dense16")] * 50, plan
+    _, all_dense = choose(sizes, [0.0] * 50, net, lambda n: [DENSE], local_competes=False)
+    assert t < 0.6 * all_dense
+    # with nothing to gain the uniform starts do not win: ties stay dense
+    same = Network(lay, {"world": link, "world16": Link(1e-5, 0.5e9), "intra": Link(1e-6, 1e10)})
+    plan, _ = choose(sizes, [0.0] * 50, same, opts, local_competes=False)
+    assert plan == [DENSE] * 50

@@ -604,9 +604,9 @@ def predict_cell(source: dict[str, Any], model: str, target: dict[str, Any], den
     with the node-crossing links scaled by the ratio of the two nominal rates. Nothing measured in the
     target run is used. "auto" is the model's plan there: which plan auto's trials keep is measured, not
     predicted."""
-    from trainer.comm.auto import candidates, choose, network_from_calibration, predict
+    from trainer.comm.auto import network_from_calibration
     from scripts.plan import BENCH_KINDS, fixed_plan, rate_bps  # imports torch: the parent's last step only
-    from trainer.comm.cost import Choice, Layout, with_inter_rate
+    from trainer.comm.cost import Choice, Layout, candidates, choose, predict, with_inter_rate
 
     m = source["models"][model]
     layout = Layout(source["nodes"], source["ranks_per_node"])

@@ -1,55 +1,7 @@
-"""`comm.kind: auto`: measure the live cluster during dense warm-up steps, then choose per bucket the exchange
-(dense fp32, dense 16-bit wire, flat top-k, hierarchical top-k) and density with the least predicted
-exposed time - the time the optimizer waits after backward, not the bytes.
-
-Calibration (the first `calibration_steps` steps, every bucket dense fp32, on the exchange thread):
-- each bucket's ready time (how long before the end of backward it was launched) and its dense exchange
-  time during backward;
-- after the last of those steps, a few probe collectives per group at two sizes (world allreduce in fp32 and
-  16-bit, world allgather, inter-node allgather, intra-node reduce-scatter and allgather): latency and
-  bandwidth of each link (trainer/comm/cost.py's alpha-beta links);
-- the sparse local work (residual add, MSTopK, pack, clear, scatter-add) on each bucket's own gradient:
-  seconds per element on this device; and the 16-bit casts.
-On CUDA the times are CUDA events on the main and exchange streams (the host runs ahead of the kernels),
-read at the end of each timed step; the probes synchronize. Every rank's measurements are gathered: probes
-and spans reduced to their maximum over ranks (a step is as slow as its slowest rank), bucket and ready times
-to their minimum (the rank that launched last waited least for its peers), so every rank fits the same
-model; rank 0's plan is broadcast all the same, so ranks cannot disagree.
-
-The model (`choose`): each bucket's exchange is `cost.describe`'s list of collectives plus local work; the
-collectives are scaled by the measured/modelled ratio of the largest bucket's dense exchange during
-backward (contention with the compute); on a CPU the local work also delays backward (same cores). Starting from all dense, each
-bucket in turn takes the candidate that lowers the predicted exposed time by more than a small margin, so
-a bucket whose exchange hides behind backward stays dense. Densities below `comm.min_density` (the recipe's
-safe bound) are never candidates.
-
-Trial: when the model's plan is not all dense, it and the fastest uniform plans the model predicts faster than
-all dense (one candidate on every bucket; at most `MAX_TRIALS` plans), then all dense, each run
-`comm.trial_steps` steps, timed. The plan that measured fastest is kept if it beat the all-dense trial by the
-choice's margin, else every bucket goes back to dense: both are measured the same way, after the warm-up (the
-calibration's own dense steps pay first touches and run beside the probes). The model is fitted from probes
-taken apart from backward; a trial is what a plan costs inside the step (on a CPU the sparse local work
-competes with backward for the cores).
-
-Drift: the last steps (`WINDOW`) before every `redecide_every`-th are timed; the ready times follow them.
-Rank 0 then decides and broadcasts, in one call. The links have moved when the largest bucket's measured
-chain time moved by more than `hysteresis` from the current plan's first measured window, the same way in two
-windows in a row (one noisy window does not re-decide). Under an all-dense
-plan the model's link scale follows the ratio and the plan is re-decided; a new plan is adopted only if it
-is predicted `hysteresis` faster. Under a sparse plan the next window runs all dense first, so that the
-decision and the guard below start from what dense costs on the links as they are now.
-Never slower than dense: when a plan that is not all dense measures (median over the window) more than
-`hysteresis` slower than the last measured all-dense window, the next window runs all dense, to compare on the
-same links and the same backward (a longer backward, e.g. a larger image size, lengthens both). The plan
-comes back if it beat that window by the choice's margin; otherwise every bucket stays dense, no link change
-re-decides for `HOLD_CHECKS` checks, and after that dense is left only when the links move again. A link that
-gets faster under a sparse plan is seen only through the sparse chains (the allgathers in them), not by a
-fresh dense measurement: the sparse plan is kept against the older, slower dense baseline.
-
-Switching a bucket keeps error feedback exact: a residual kept for one layout (topk: this rank's whole
-bucket; hitopk: this rank's 1/L shard of the node's sum) is added, at the step's loss scale, into this
-rank's gradient before an exchange of another kind, and dropped; every rank contributes its residual once
-to the sum, so no gradient mass is lost or counted twice. `rollback()` restores folded residuals too.
+"""`comm.kind: auto`: the executor of a per-bucket plan (dense fp32, dense on a 16-bit wire, flat top-k,
+hierarchical top-k) and what it measures - the calibration's steps, link probes and local work, then timed
+windows of steps - to feed the decision policy (`trainer/comm/policy.py`), whose actions rank 0 broadcasts.
+docs/communicators.md describes the whole mechanism; the cost model is `trainer/comm/cost.py`.
 """
 
 from __future__ import annotations
@@ -65,100 +17,16 @@ from torch import nn
 from kernels import mstopk_warm_up
 from trainer.comm.base import Bucket
 from trainer.comm.config import CommConfig
-from trainer.comm.cost import (CODES, DENSE, KINDS, Choice, Layout, Link, Network, Selection, allgather_s, describe,
-                               exchange_bytes, exposed_s, fit_affine, fit_link, k_of, plan_summary, reduce_scatter_s,
-                               ring_allreduce_s)
+from trainer.comm.cost import (CODES, DENSE, KINDS, Choice, Layout, Link, Network, Selection, allgather_s, candidates,
+                               fit_affine, fit_link, k_of, predict, reduce_scatter_s, ring_allreduce_s)
 from trainer.comm.dense import WIRE_DTYPES
+from trainer.comm.policy import Action, Policy, Window
 from trainer.comm.sparse import TopKCommunicator, sparse_local_work
 from trainer.dist import Group, Topology
 
-HOLD_CHECKS = 5
-"""After a plan measured slower than all dense, this many drift checks do not re-decide (the plan stays all
-dense; after them a link change may re-decide)."""
-
-MAX_TRIALS = 3
-"""Plans tried, measured, after calibration (the model's and the fastest uniform ones it predicts)."""
-
-SCALE_RANGE = (0.05, 100.0)
-"""Bounds of the measured/modelled scale of the collectives (a wild measurement cannot zero or explode it)."""
-
-WINDOW = 8
-"""Steps timed before each drift check."""
-
-MARGIN = 0.02
-"""A bucket leaves dense only for a predicted saving above this fraction of the step's exposed time
-(plus a tenth of a millisecond): ties stay dense."""
-
-
-def candidates(n: int, layout: Layout, densities: Sequence[float], min_density: float, dense_below: int
-               ) -> list[Choice]:
-    """The exchanges auto considers for a bucket of n elements (dense first)."""
-    out = [DENSE, Choice("dense16")]
-    if layout.world == 1 or n < dense_below:
-        return out
-    safe = sorted({d for d in densities if d >= min_density}, reverse=True)
-    out += [Choice("topk", d) for d in safe]
-    if layout.per_node > 1 and layout.nodes > 1:
-        out += [Choice("hitopk", d) for d in safe]
-    return out
-
-
-def predict(sizes: Sequence[int], ready_before_end: Sequence[float], plan: Sequence[Choice], net: Network,
-            local_competes: bool) -> tuple[float, list[float]]:
-    """(predicted exposed seconds, each bucket's chain seconds) of `plan`."""
-    chains, local = [], 0.0
-    for n, choice in zip(sizes, plan):
-        ex = describe(n, choice, net.layout)
-        chains.append(net.chain_s(ex))
-        local += net.local_s(ex)
-    return exposed_s(ready_before_end, chains, local if local_competes else 0.0), chains
-
-
-def choose(sizes: Sequence[int], ready_before_end: Sequence[float], net: Network,
-           options: Callable[[int], list[Choice]], local_competes: bool,
-           start: Sequence[Choice] | None = None) -> tuple[list[Choice], float]:
-    """The plan with the least predicted exposed time, and that time.
-
-    Coordinate descent (largest buckets first) from `start` (default all dense) and from every uniform plan
-    (each candidate on every bucket that has it): with many small buckets no single bucket's move may clear
-    the margin while moving them all does. Another start's plan replaces the first one's only if it is
-    predicted faster by the margin, so ties stay with `start`."""
-    first = list(start) if start is not None else [DENSE] * len(sizes)
-    plan, best = _descend(sizes, ready_before_end, net, options, local_competes, first)
-    uniform = {c: None for n in sizes for c in options(n)}  # ordered, no duplicates
-    for choice in uniform:
-        trial = [choice if choice in options(n) else DENSE for n in sizes]
-        if trial == first:
-            continue
-        other, t = _descend(sizes, ready_before_end, net, options, local_competes, trial)
-        if t < best - MARGIN * best - 1e-4:
-            plan, best = other, t
-    return plan, best
-
-
-def _descend(sizes: Sequence[int], ready_before_end: Sequence[float], net: Network,
-             options: Callable[[int], list[Choice]], local_competes: bool, plan: list[Choice]
-             ) -> tuple[list[Choice], float]:
-    """Coordinate descent from `plan`: a bucket changes only for a predicted saving above the margin."""
-    best, _ = predict(sizes, ready_before_end, plan, net, local_competes)
-    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-    for _ in range(3):
-        changed = False
-        for i in order:
-            for choice in options(sizes[i]):
-                if choice == plan[i]:
-                    continue
-                trial = plan[:i] + [choice] + plan[i + 1:]
-                t, _ = predict(sizes, ready_before_end, trial, net, local_competes)
-                if t < best - MARGIN * best - 1e-4:
-                    plan, best, changed = trial, t, True
-        if not changed:
-            break
-    return plan, best
-
 
 class AutoCommunicator(TopKCommunicator):
-    """Per-bucket exchange chosen from live measurements (see the module docstring)."""
+    """Per-bucket exchange chosen from live measurements (docs/communicators.md)."""
 
     def __init__(self, cfg: CommConfig, model: nn.Module, topo: Topology) -> None:
         super().__init__(cfg, model, topo, intra=topo.intra_node, inter=topo.inter_node)
@@ -176,8 +44,6 @@ class AutoCommunicator(TopKCommunicator):
         self.calibration: dict[str, float] = {}
         """The measurements, for the logs and `scripts/plan.py --from-run`."""
         self._unlogged: dict[str, float] = {}
-        self.inter_delay_s_per_mb = 0.0
-        """Test hook: seconds of extra delay per MB this rank sends over inter-node links (a slow link)."""
         self._local_steps = 0
         """Exchanges since this process started (calibration is per process: a resumed run measures again)."""
         self._residual_kind: dict[int, str] = {}
@@ -189,36 +55,16 @@ class AutoCommunicator(TopKCommunicator):
         and the exposed wait (end of backward to usable gradients)."""
         self._first_launch: float | torch.cuda.Event = 0.0
         self._measuring_step = True
-        self._since_check = 0
-        """Steps since calibration or the last drift check."""
-        self.dense_cost_s = 0.0
-        """The measured all-dense step cost (`_gather_window`) the plan must not exceed by more than `hysteresis`."""
-        self.dense_hold = 0
-        """Drift checks left before a plan reverted to dense may leave it again."""
-        self._reference_chain: list[float] | None = None
-        """Rank 0: the measured chain seconds per bucket drift is judged against (the current plan's first
-        window; None: the next window sets it)."""
-        self._trials: list[list[Choice]] = []
-        """The plans tried after calibration (the same list on every rank)."""
-        self._trial_at = 0
-        """The running trial's index (len(_trials): none running)."""
-        self._trial_left = 0
-        """Steps left of the running trial."""
+        self.policy: Policy | None = None
+        """Rank 0, once calibrated: the decisions (trainer/comm/policy.py)."""
+        self._action: Action | None = None
+        """The policy's action being run (the same on every rank; None: calibrating)."""
+        self._left = self.calibration_steps
+        """Steps left before the next window is gathered (the calibration's, then each action's)."""
+        self._timed_steps = self.calibration_steps
+        """How many of the last steps before it are timed."""
         self._fresh_plan = False
         """The next step is a new plan's first: not timed (allocations, first touch of its buffers)."""
-        self._tried: list[tuple[float, list[float]]] = []
-        """Rank 0: each finished trial's measured step cost and chain seconds per bucket."""
-        self._reference_settling = False
-        """Rank 0: the reference is a new plan's first window; the next window replaces it."""
-        self._moved_before: bool | None = None
-        """Rank 0: the last window's chains moved (True: slower, False: faster), not yet confirmed."""
-        self._remeasure = False
-        """Rank 0: the links moved under a sparse plan; the next window runs all dense to measure it."""
-        self._guarded: tuple[list[tuple[str, float]], float] | None = None
-        """Rank 0: a plan that measured slower than dense (as (kind, density) pairs) and its step cost, while the
-        next window measures all dense to compare."""
-        self.sparse_delay_s = 0.0
-        """Test hook: seconds of extra delay in every sparse exchange (a plan that measures slower than dense)."""
         self._options = lambda n: candidates(n, self.net_layout, cfg.densities, cfg.min_density, cfg.dense_below)
 
     # ------------------------------------------------------------ the exchange
@@ -226,7 +72,7 @@ class AutoCommunicator(TopKCommunicator):
     @property
     def calibrated(self) -> bool:
         """Measured, decided, and the decision tried (the plan is settled until the next drift check)."""
-        return self.net is not None and self._trial_at >= len(self._trials)
+        return self._action is not None and not self._action.trial
 
     def _mark(self) -> float | torch.cuda.Event:
         """A point in time on the current stream: on CUDA an event (the host runs ahead of the kernels, and
@@ -246,11 +92,9 @@ class AutoCommunicator(TopKCommunicator):
 
     @property
     def measuring(self) -> bool:
-        """Whether this step is timed: every calibration step, and the last steps before each drift check
-        (on CUDA timing adds a host sync at the end of the step)."""
-        if not self.calibrated:
-            return True
-        return self._since_check >= self.cfg.redecide_every - min(self.cfg.redecide_every, WINDOW)
+        """Whether this step is timed: every calibration and trial step, and the last steps before each drift
+        check (the action's `timed`; on CUDA timing adds a host sync at the end of the step)."""
+        return self._left <= self._timed_steps
 
     def launch(self, bucket: Bucket) -> None:
         if self._measuring_step:
@@ -274,11 +118,6 @@ class AutoCommunicator(TopKCommunicator):
         else:
             out = self.sparse_exchange(bucket, self.intra, self.inter, choice.density)
             self._residual_kind[bucket.index] = "hitopk"
-        if self.inter_delay_s_per_mb:
-            _, inter = exchange_bytes(describe(bucket.numel, choice, self.net_layout), self.net_layout)
-            time.sleep(inter / 2**20 * self.inter_delay_s_per_mb)
-        if self.sparse_delay_s and choice.sparse:
-            time.sleep(self.sparse_delay_s)
         if start is not None:
             self._chain[bucket.index] = (start, self._mark())
         return out
@@ -359,18 +198,9 @@ class AutoCommunicator(TopKCommunicator):
         self._local_steps += 1
         self._fresh_plan = False
         self._launched, self._chain = {}, {}
-        if self.net is None:
-            if self._local_steps >= self.calibration_steps:
-                self._calibrate()
-        elif not self.calibrated:
-            self._trial_left -= 1
-            if self._trial_left == 0:
-                self._end_trial()
-        else:
-            self._since_check += 1
-            if self._since_check >= self.cfg.redecide_every:
-                self._since_check = 0
-                self._check_drift()
+        self._left -= 1
+        if self._left == 0:
+            self._window_done()
         return {**stats, **self.decision_stats(stats)}
 
     def decision_stats(self, stats: dict[str, float]) -> dict[str, float]:
@@ -388,7 +218,7 @@ class AutoCommunicator(TopKCommunicator):
 
     def trial_results(self) -> list[tuple[str, float]]:
         """Rank 0: (plan summary, measured step cost in seconds) of each finished trial, all dense last."""
-        return [(plan_summary(plan), cost) for plan, (cost, _) in zip(self._trials, self._tried)]
+        return self.policy.trial_results() if self.policy is not None else []
 
     def pop_records(self) -> dict[str, float]:
         """The calibration (`calib/<key>`), once after it is measured."""
@@ -401,46 +231,45 @@ class AutoCommunicator(TopKCommunicator):
         chain = [statistics.median(r[1][i] for r in rows) for i in range(len(self.buckets))]
         return ready, chain, statistics.median(r[2] for r in rows), statistics.median(r[3] for r in rows)
 
-    def _over_ranks(self, values: list[float]) -> tuple[list[float], list[float]]:
-        """(maximum, minimum) of each value over the ranks."""
+    def _over_ranks(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values`, by rank (a collective)."""
         # on the ranks' device: an NCCL-only group has no CPU backend (NCCL and gloo both carry float64)
         t = torch.tensor(values, dtype=torch.float64, device=self.topo.device)
-        gathered = self.topo.world.all_gather(t, "calibration measurements").view(self.topo.world_size, -1).cpu()
-        return gathered.max(dim=0).values.tolist(), gathered.min(dim=0).values.tolist()
+        return self.topo.world.all_gather(t, "calibration measurements").view(self.topo.world_size, -1).cpu().tolist()
 
     def _calibrate(self) -> None:
+        """Probe the links and the local work, fit the model to every rank's measurements, and start the policy."""
         ready, chain, span, exposed = self._medians(self._rows)
         probes = self._probe_links()
         select_pts, cast_pt = self._probe_local_work()
         names = sorted(probes)
         flat = ready + chain + [span, exposed] + [t for name in names for _, t in probes[name]] \
             + [t for _, t in select_pts] + [cast_pt[1]]
-        flat, least = self._over_ranks(flat)
+        rows = self._over_ranks(flat)
         nb = len(self.buckets)
-        # A bucket's exchange on the rank that launched it last has the least wait for its peers in it, and
-        # the earliest-ready rank bounds how much of it hides: minima. Probes and spans: a step is as slow as
-        # its slowest rank, maxima.
-        ready, chain, span, exposed = least[:nb], least[nb:2 * nb], flat[2 * nb], flat[2 * nb + 1]
-        self.dense_cost_s = span  # the step cost `_gather_window` measures
+        dense = (DENSE,) * nb
+        window = Window.merged([Window(dense, tuple(r[:nb]), tuple(r[nb:2 * nb]), r[2 * nb]) for r in rows])
+        # probes, the exposed wait and the local work: a step is as slow as its slowest rank
+        most = [max(column) for column in zip(*rows)]
+        exposed = most[2 * nb + 1]
         pos = 2 * nb + 2
         for name in names:
-            probes[name] = [(x, flat[pos + j]) for j, (x, _) in enumerate(probes[name])]
+            probes[name] = [(x, most[pos + j]) for j, (x, _) in enumerate(probes[name])]
             pos += len(probes[name])
-        select_pts = [(x, flat[pos + j]) for j, (x, _) in enumerate(select_pts)]
+        select_pts = [(x, most[pos + j]) for j, (x, _) in enumerate(select_pts)]
         pos += len(select_pts)
-        cast_s = flat[pos]
+        cast_s = most[pos]
         self.net = build_network(self.net_layout, probes, select_pts, cast_s / max(cast_pt[0], 1))
         sizes = [b.numel for b in self.buckets]
-        dense_pred = [self.net.network_s(describe(n, DENSE, self.net_layout)) for n in sizes]
-        # from the bucket with the most bytes: a small bucket's time is mostly the wait for the slowest rank
-        top = max(range(len(sizes)), key=lambda i: dense_pred[i])
-        ratio = chain[top] / dense_pred[top] if dense_pred[top] > 0 else 1.0
-        self.net.net_scale = min(max(ratio, SCALE_RANGE[0]), SCALE_RANGE[1])
-        self.ready_before_end = ready
+        if self.topo.is_main:
+            self.policy = Policy(self.cfg, sizes, self._options, self.local_competes)
+        action = self._follow(lambda policy: policy.start(self.net, window))
+        self._rows = []
+        ready, chain = list(window.ready_before_end), list(window.chain_s)
         self.calibration = {"nodes": float(self.net_layout.nodes), "ranks_per_node": float(self.net_layout.per_node),
                             "min_density": self.cfg.min_density, "dense_below": float(self.dense_below),
                             **{f"density/{i}": d for i, d in enumerate(self.cfg.densities)},
-                            "local_competes": float(self.local_competes), "dense_span_s": span,
+                            "local_competes": float(self.local_competes), "dense_span_s": window.cost_s,
                             "dense_exposed_s": exposed, "net_scale": self.net.net_scale,
                             "select_per_element_s": self.net.selection.per_element_s,
                             "select_fixed_s": self.net.selection.fixed_s, "cast_per_element_s": self.net.cast_per_element_s,
@@ -450,73 +279,34 @@ class AutoCommunicator(TopKCommunicator):
                             **{f"bucket/{i}/ready_before_end_s": r for i, r in enumerate(ready)},
                             **{f"bucket/{i}/dense_s": c for i, c in enumerate(chain)}}
         self._unlogged = {f"calib/{k}": v for k, v in self.calibration.items()}
-        self._decide()
-        self._reference_chain = chain if all(c == DENSE for c in self.plan) else None  # measured all dense
-        self._rows = []
         if self.topo.is_main:
             print(self.table(chain), flush=True)
-            if self._trials:
-                print(f"comm auto: trying {len(self._trials) - 1} plan(s), then all dense, {self.cfg.trial_steps} "
-                      "steps each", flush=True)
+            if action.message:
+                print(action.message, flush=True)
 
-    def _decide(self) -> None:
-        """Rank 0's plan and the plans to try, broadcast; the first of them from the next step on."""
-        plans = None
-        if self.topo.is_main:
-            plans = [[(c.kind, c.density) for c in p] for p in self._trial_plans()]
-        chosen = [[Choice(k, d) for k, d in p] for p in self.topo.world.broadcast_object(plans, src=0)]
-        # no trials: the model's plan (the first) is kept as it is; with trials, all dense is the last
-        self._trials = chosen + [[DENSE] * len(self.buckets)] if self.cfg.trial_steps and chosen else []
-        self._trial_at, self._tried = 0, []
-        self.set_plan(list(chosen[0]) if chosen else [DENSE] * len(self.buckets))
-        self._trial_left = self.cfg.trial_steps if self._trials else 0
-
-    def _trial_plans(self) -> list[list[Choice]]:
-        """The model's plan, then the uniform plans (one candidate on every bucket that has it) it predicts
-        faster than all dense, fastest first: at most `MAX_TRIALS`, none if the model's plan is all dense."""
-        sizes = [b.numel for b in self.buckets]
-        dense = [DENSE] * len(sizes)
-
-        def predicted(plan: list[Choice]) -> float:
-            return predict(sizes, self.ready_before_end, plan, self.net, self.local_competes)[0]
-
-        plan, _ = choose(sizes, self.ready_before_end, self.net, self._options, self.local_competes)
-        if plan == dense:
-            return []
-        dense_s = predicted(dense)
-        uniform = [[c if c in self._options(n) else DENSE for n in sizes]
-                   for c in {c: None for n in sizes for c in self._options(n)}]
-        out = [plan]
-        for other in sorted(uniform, key=predicted):
-            if other not in out and other != dense and predicted(other) < dense_s and len(out) < MAX_TRIALS:
-                out.append(other)
-        return out
-
-    def _end_trial(self) -> None:
-        """The running trial's measurements (max over ranks); after the last trial (all dense) rank 0 keeps the
-        plan that measured fastest, if it beat all dense by the choice's margin, else all dense: the model can be
-        wrong where it matters most, inside the step on the device it has just fitted."""
-        _, chain, cost = self._gather_window()
-        nb = len(self.buckets)
-        if self.topo.is_main:
-            self._tried.append((cost, chain))
-            print(f"comm auto: tried {plan_summary(self.plan)}: {cost * 1e3:.1f} ms", flush=True)
-        self._trial_at += 1
-        if self._trial_at < len(self._trials):
-            self.set_plan(list(self._trials[self._trial_at]))
-            self._trial_left = self.cfg.trial_steps
+    def _window_done(self) -> None:
+        """After the calibration's steps, calibrate; after an action's, gather their window and follow the
+        policy's next action (no step timed, which is the same on every rank: the same action again)."""
+        if self.net is None:
+            self._calibrate()
             return
-        decision = None
-        if self.topo.is_main:
-            dense_cost = self._tried[-1][0]
-            best = min(range(len(self._tried) - 1), key=lambda i: self._tried[i][0])
-            decision = (best if self._tried[best][0] < (1 - MARGIN) * dense_cost else -1, dense_cost)
-        pick, self.dense_cost_s = self.topo.world.broadcast_object(decision, src=0)
-        self.set_plan(list(self._trials[pick]) if pick >= 0 else [DENSE] * nb)
-        if self.topo.is_main:
-            self._reference_chain = self._tried[pick][1] if pick >= 0 else None  # the kept plan's measured window
-            print(f"comm auto: all dense measured {self.dense_cost_s * 1e3:.1f} ms; keeping "
-                  f"{plan_summary(self.plan)}", flush=True)
+        window = self._gather_window()
+        if window is None:
+            self._left = self._action.steps
+            return
+        action = self._follow(lambda policy: policy.observe(window))
+        if self.topo.is_main and action.message:
+            print(action.message, flush=True)
+
+    def _follow(self, decide: Callable[[Policy], Action]) -> Action:
+        """Rank 0's policy decides, every rank takes that action (one broadcast: ranks cannot disagree)."""
+        action = decide(self.policy) if self.policy is not None else None
+        action = self.topo.world.broadcast_object(action, src=0)
+        self._action, self._left, self._timed_steps = action, action.steps, action.timed
+        self.net.net_scale = action.net_scale
+        self.ready_before_end = list(action.ready_before_end)
+        self.set_plan(list(action.plan))  # with a new plan, or the same one predicted with the new scale
+        return action
 
     def set_plan(self, plan: list[Choice]) -> None:
         """Use `plan` from the next step on (every rank must set the same one; after calibration)."""
@@ -525,8 +315,6 @@ class AutoCommunicator(TopKCommunicator):
         if len(plan) != len(self.buckets):
             raise ValueError(f"comm auto: a plan needs one choice per bucket ({len(self.buckets)}), got {len(plan)}")
         if list(plan) != self.plan:
-            self._reference_chain = None  # drift is judged against the new plan's own first window
-            self._moved_before = None
             self._fresh_plan = True
         self.plan = list(plan)
         self.predicted_exposed_s, self.predicted_chain_s = predict(
@@ -539,34 +327,25 @@ class AutoCommunicator(TopKCommunicator):
         if sizes:  # compile the selection kernels for the new sizes now, not inside a timed step
             mstopk_warm_up(self.topo.device, sorted(sizes), self.iters)
 
+    def selection_sizes(self) -> dict[tuple[int, float], int]:
+        """Every (elements, density) a plan may select from: each large bucket (topk) and its 1/L shard
+        (hitopk), at each density auto may choose."""
+        sizes: dict[tuple[int, float], int] = {}
+        for b in self.buckets:
+            for c in self._options(b.numel):
+                if c.sparse:
+                    key = (math.ceil(b.numel / (self.local_size if c.kind == "hitopk" else 1)), c.density)
+                    sizes[key] = sizes.get(key, 0) + 1
+        return sizes
+
     @property
     def local_competes(self) -> bool:
         """On a CPU the exchange's local work runs on the cores backward needs."""
         return self.topo.device.type == "cpu"
 
-    def _check_drift(self) -> None:
-        """Every rank gathers the window's measurements; rank 0 decides whether and what changes and broadcasts
-        that in one call, so every rank takes the same branch."""
-        window = self._gather_window()
-        if window is not None:  # backward's length moves (progressive resizing): the ready times follow it
-            self.ready_before_end = window[0]
-        update = self._drift_update(window[1], window[2]) if self.topo.is_main and window is not None else None
-        update = self.topo.world.broadcast_object(update, src=0)
-        if update is None:
-            return
-        self.net.net_scale, self.dense_cost_s, self.dense_hold = \
-            update["net_scale"], update["dense_cost_s"], update["dense_hold"]
-        plan = [Choice(k, d) for k, d in update["plan"]] if update["plan"] is not None else self.plan
-        self.set_plan(plan)  # with a new plan, or the same one predicted with the new scale
-        if self.topo.is_main and update["message"]:
-            print(update["message"] + ", ".join(f"{b.index}:{c.label}" for b, c in zip(self.buckets, self.plan)),
-                  flush=True)
-
-    def _gather_window(self) -> tuple[list[float], list[float], float] | None:
-        """A collective (every rank calls it): the timed rows' medians over the ranks, the rows cleared. Ready
-        and chain seconds per bucket take their minimum over ranks; the step cost - the span from the first
-        launch to usable gradients, which holds the wait after backward and any slowing of backward by the
-        exchange's own work - its maximum. None when no step was timed (the same on every rank)."""
+    def _gather_window(self) -> Window | None:
+        """A collective (every rank calls it): the timed rows' medians merged over the ranks (`Window.merged`),
+        the rows cleared. None when no step was timed (the same on every rank)."""
         nb = len(self.buckets)
         timed = bool(self._rows)
         values = [0.0] * (2 * nb + 1)
@@ -574,77 +353,10 @@ class AutoCommunicator(TopKCommunicator):
             ready, chain, span, _ = self._medians(self._rows)
             values = ready + chain + [span]
         self._rows = []
-        most, least = self._over_ranks(values)
-        return (least[:nb], least[nb:2 * nb], most[2 * nb]) if timed else None
-
-    def _drift_update(self, chain: list[float], cost: float) -> dict:
-        """Rank 0: the link scale, plan (None: the same), all-dense baseline and hold after a window's
-        measurements (chain: seconds per bucket; cost: `_gather_window`'s step cost)."""
-        h = self.cfg.hysteresis
-        sizes = [b.numel for b in self.buckets]
-        # drift is a change of the measured chains under the same plan (against the plan's first window), not
-        # a gap between model and measurement: a model that fits one plan's chains less well than another's
-        # would otherwise flip between them
-        reference = self._reference_chain
-        if reference is None or len(reference) != len(chain) or self._reference_settling:
-            # a new plan's first windows set the reference; the second replaces the first, whose steps can
-            # still be settling (allocator, selection kernels, caches)
-            self._reference_settling = reference is None
-            self._reference_chain, reference = chain, chain
-        # the bucket the model gives the longest chain: a small bucket's time is mostly the wait for its peers
-        top = max(range(len(chain)), key=lambda i: self.predicted_chain_s[i])
-        ratio = chain[top] / reference[top] if reference[top] > 0 else 1.0
-        # a move counts when two windows in a row moved the same way: one noisy window does not re-decide
-        moved = abs(ratio - 1) > h and self._moved_before == (ratio > 1)
-        self._moved_before = (ratio > 1) if abs(ratio - 1) > h and not moved else None
-        if moved:
-            self._reference_chain = chain
-        dense_now = all(c == DENSE for c in self.plan)
-        if dense_now and self._remeasure:
-            # the all-dense window after the links moved under a sparse plan: the link scale from what dense
-            # measures now against what the model predicted for it, then a decision from there
-            self._remeasure = False
-            ratio = chain[top] / self.predicted_chain_s[top] if self.predicted_chain_s[top] > 0 else 1.0
-            moved = True
-        scale = min(max(self.net.net_scale * ratio, SCALE_RANGE[0]), SCALE_RANGE[1]) if moved else self.net.net_scale
-        # the guard's baseline is always a measured all-dense step under today's links: it follows the
-        # measurements while the plan is all dense, and a link change under a sparse plan measures it again
-        dense_cost = cost if dense_now else self.dense_cost_s
-        out = {"net_scale": scale, "plan": None, "message": "", "dense_cost_s": dense_cost,
-               "dense_hold": max(self.dense_hold - 1, 0)}
-        to_dense = [(DENSE.kind, DENSE.density)] * len(sizes)
-        if dense_now and self._guarded is not None:  # the all-dense window after a plan measured slower
-            plan, plan_cost = self._guarded
-            self._guarded = None
-            if plan_cost < (1 - MARGIN) * cost:
-                self._reference_chain = None
-                return {**out, "plan": plan, "message": f"comm auto: all dense measures {cost * 1e3:.1f} ms now, "
-                                                        f"the plan {plan_cost * 1e3:.1f} ms; back to it: "}
-            return {**out, "dense_hold": HOLD_CHECKS,
-                    "message": f"comm auto: all dense measures {cost * 1e3:.1f} ms now, the plan "
-                               f"{plan_cost * 1e3:.1f} ms; staying dense: "}
-        if not dense_now and moved:
-            self._remeasure, self._reference_chain = True, None
-            return {**out, "plan": to_dense,
-                    "message": f"comm auto: link times moved x{ratio:.2f}; one window all dense to measure it: "}
-        # the guard needs its dense baseline on the same links: not while a move awaits its second window
-        if not dense_now and cost > (1 + h) * dense_cost and self._moved_before is None:
-            self._reference_chain = None
-            self._guarded = ([(c.kind, c.density) for c in self.plan], cost)
-            return {**out, "plan": to_dense,
-                    "message": f"comm auto: measured {cost * 1e3:.1f} ms against {dense_cost * 1e3:.1f} ms all "
-                               "dense; one window all dense to compare: "}
-        if not moved or out["dense_hold"] > 0:
-            return out
-        old, self.net.net_scale = self.net.net_scale, scale
-        current, _ = predict(sizes, self.ready_before_end, self.plan, self.net, self.local_competes)
-        plan, t = choose(sizes, self.ready_before_end, self.net, self._options, self.local_competes)
-        self.net.net_scale = old
-        if t < (1 - h) * current:
-            self._reference_chain = None  # the new plan's first window is its reference
-            return {**out, "plan": [(c.kind, c.density) for c in plan],
-                    "message": f"comm auto: link times moved x{ratio:.2f}; new plan: "}
-        return out
+        rows = self._over_ranks(values)
+        if not timed:
+            return None
+        return Window.merged([Window(tuple(self.plan), tuple(r[:nb]), tuple(r[nb:2 * nb]), r[2 * nb]) for r in rows])
 
     # ------------------------------------------------------------ probes
 
@@ -664,14 +376,12 @@ class AutoCommunicator(TopKCommunicator):
         """{probe: [(bytes, seconds)]} of each group's collectives at two sizes (all ranks, in the same order)."""
         topo, lay = self.topo, self.net_layout
         per = lay.per_node
-        delay = self.inter_delay_s_per_mb
         out: dict[str, list[tuple[float, float]]] = {}
 
-        def probe(name: str, group: Group, op: str, sizes: Sequence[int], dtype: torch.dtype, inter_share: float) -> None:
+        def probe(name: str, group: Group, op: str, sizes: Sequence[int], dtype: torch.dtype) -> None:
             rows = []
             for n in sizes:
                 t = torch.ones(n, dtype=dtype, device=topo.device)
-                nbytes = n * t.element_size()
 
                 def run() -> None:
                     if op == "allreduce":
@@ -680,22 +390,17 @@ class AutoCommunicator(TopKCommunicator):
                         group.all_gather(t, "probe allgather")
                     else:
                         group.reduce_scatter(t, "probe reduce-scatter")
-                    if delay and inter_share:
-                        time.sleep(inter_share * nbytes / 2**20 * delay)
-                rows.append((float(nbytes), self._timed(run)))
+                rows.append((float(n * t.element_size()), self._timed(run)))
             out[name] = rows
 
-        w = lay.world
-        ring_inter = 2 * (w - 1) / w * (lay.nodes / w if lay.nodes > 1 else 0.0)
-        probe("world", topo.world, "allreduce", (2**13, 2**17), torch.float32, ring_inter)
-        probe("world16", topo.world, "allreduce", (2**13, 2**17), self.wire16, ring_inter)
-        probe("world_gather", topo.world, "allgather", (2**11, 2**15), torch.float32,
-              (w - 1) * (lay.nodes / w if lay.nodes > 1 else 0.0))  # node-major ring: N of W hops cross
+        probe("world", topo.world, "allreduce", (2**13, 2**17), torch.float32)
+        probe("world16", topo.world, "allreduce", (2**13, 2**17), self.wire16)
+        probe("world_gather", topo.world, "allgather", (2**11, 2**15), torch.float32)
         if lay.per_node > 1 and lay.nodes > 1:
-            probe("inter", topo.inter_node, "allgather", (2**11, 2**15), torch.float32, lay.nodes - 1)
-            probe("intra_gather", topo.intra_node, "allgather", (2**13, 2**17), torch.float32, 0.0)
+            probe("inter", topo.inter_node, "allgather", (2**11, 2**15), torch.float32)
+            probe("intra_gather", topo.intra_node, "allgather", (2**13, 2**17), torch.float32)
             probe("intra_scatter", topo.intra_node, "reduce_scatter",  # sizes the ranks of a node divide evenly
-                  (2**14 // per * per, 2**18 // per * per), torch.float32, 0.0)
+                  (2**14 // per * per, 2**18 // per * per), torch.float32)
         return out
 
     def _probe_local_work(self) -> tuple[list[tuple[float, float]], tuple[float, float]]:
@@ -710,9 +415,9 @@ class AutoCommunicator(TopKCommunicator):
                 # this bucket's values (selection cost depends on them), made finite: after an fp16 overflow
                 # the live gradient holds inf/NaN, which selection rejects
                 g = torch.nan_to_num(b.buffer[:part].float(), nan=0.0, posinf=0.0, neginf=0.0)
-                points.append((float(part), self._timed(sparse_local_work(g, density, peers, self.iters),
-                                                        reps=1)
-                               + self.sparse_delay_s))
+                points.append((float(part), self._timed(sparse_local_work(g, density, peers, self.iters,
+                                                                          selection=self.selection),
+                                                        reps=1)))
         largest = max(self.buckets, key=lambda b: b.numel)
         cast = self._timed(lambda: largest.buffer.to(self.wire16).to(largest.buffer.dtype), reps=1) \
             if largest.buffer is not None else 0.0

@@ -12,14 +12,15 @@ it with the links it measured, and `scripts/plan.py` times it with a cluster's l
 
 Collective times are alpha-beta: ring steps x latency + the bytes through the busiest link / its bandwidth.
 A step is its compute plus the exposed exchange (`exposed_s`): bucket chains run one after another, each
-from the moment backward has produced its bucket, and the optimizer waits for the last one.
+from the moment backward has produced its bucket, and the optimizer waits for the last one. `choose` finds
+the plan (one of `candidates` per bucket) with the least predicted exposed time (`predict`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
     from trainer.dist import Topology
@@ -342,3 +343,77 @@ def with_inter_rate(net: Network, factor: float, layout: Layout | None = None) -
             links[name] = scaled(link, local)
     return Network(layout or net.layout, links, net.selection, net.cast_per_element_s, net.dense_algorithm,
                    net.net_scale)
+
+
+# ---------------------------------------------------------------- choosing
+
+MARGIN = 0.02
+"""A bucket leaves dense only for a predicted saving above this fraction of the step's exposed time
+(plus a tenth of a millisecond): ties stay dense."""
+
+
+def candidates(n: int, layout: Layout, densities: Sequence[float], min_density: float, dense_below: int
+               ) -> list[Choice]:
+    """The exchanges auto considers for a bucket of n elements (dense first)."""
+    out = [DENSE, Choice("dense16")]
+    if layout.world == 1 or n < dense_below:
+        return out
+    safe = sorted({d for d in densities if d >= min_density}, reverse=True)
+    out += [Choice("topk", d) for d in safe]
+    if layout.per_node > 1 and layout.nodes > 1:
+        out += [Choice("hitopk", d) for d in safe]
+    return out
+
+
+def predict(sizes: Sequence[int], ready_before_end: Sequence[float], plan: Sequence[Choice], net: Network,
+            local_competes: bool) -> tuple[float, list[float]]:
+    """(predicted exposed seconds, each bucket's chain seconds) of `plan`."""
+    chains, local = [], 0.0
+    for n, choice in zip(sizes, plan):
+        ex = describe(n, choice, net.layout)
+        chains.append(net.chain_s(ex))
+        local += net.local_s(ex)
+    return exposed_s(ready_before_end, chains, local if local_competes else 0.0), chains
+
+
+def choose(sizes: Sequence[int], ready_before_end: Sequence[float], net: Network,
+           options: Callable[[int], list[Choice]], local_competes: bool,
+           start: Sequence[Choice] | None = None) -> tuple[list[Choice], float]:
+    """The plan with the least predicted exposed time, and that time.
+
+    Coordinate descent (largest buckets first) from `start` (default all dense) and from every uniform plan
+    (each candidate on every bucket that has it): with many small buckets no single bucket's move may clear
+    the margin while moving them all does. Another start's plan replaces the first one's only if it is
+    predicted faster by the margin, so ties stay with `start`."""
+    first = list(start) if start is not None else [DENSE] * len(sizes)
+    plan, best = _descend(sizes, ready_before_end, net, options, local_competes, first)
+    uniform = {c: None for n in sizes for c in options(n)}  # ordered, no duplicates
+    for choice in uniform:
+        trial = [choice if choice in options(n) else DENSE for n in sizes]
+        if trial == first:
+            continue
+        other, t = _descend(sizes, ready_before_end, net, options, local_competes, trial)
+        if t < best - MARGIN * best - 1e-4:
+            plan, best = other, t
+    return plan, best
+
+
+def _descend(sizes: Sequence[int], ready_before_end: Sequence[float], net: Network,
+             options: Callable[[int], list[Choice]], local_competes: bool, plan: list[Choice]
+             ) -> tuple[list[Choice], float]:
+    """Coordinate descent from `plan`: a bucket changes only for a predicted saving above the margin."""
+    best, _ = predict(sizes, ready_before_end, plan, net, local_competes)
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    for _ in range(3):
+        changed = False
+        for i in order:
+            for choice in options(sizes[i]):
+                if choice == plan[i]:
+                    continue
+                trial = plan[:i] + [choice] + plan[i + 1:]
+                t, _ = predict(sizes, ready_before_end, trial, net, local_competes)
+                if t < best - MARGIN * best - 1e-4:
+                    plan, best, changed = trial, t, True
+        if not changed:
+            break
+    return plan, best

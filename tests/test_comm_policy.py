@@ -1,0 +1,228 @@
+"""`comm.kind: auto`'s policy (trainer/comm/policy.py) fed sequences of measured windows, no processes, no clocks:
+trials, drift, the comparison with dense and the hold; and the decisions recorded from real 4-rank runs of the
+communicator before the policy was its own module (tests/data/auto_policy_traces.json), replayed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+from trainer.comm.config import CommConfig
+from trainer.comm.cost import DENSE, Choice, Layout, Link, Network, Selection, candidates, predict
+from trainer.comm.policy import HOLD_CHECKS, MAX_TRIALS, WINDOW, Action, Policy, Window
+
+pytestmark = pytest.mark.unit
+
+LAYOUT = Layout(4, 1)
+SIZES = [3000, 262144]
+"""A bucket below dense_below (dense or dense16 only) and one that may go top-k."""
+TOPK = Choice("topk", 0.01)
+DENSE_PLAN = (DENSE, DENSE)
+TOPK_PLAN = (DENSE, TOPK)
+READY = (0.0, 0.0)
+"""Both buckets ready at the end of backward: nothing hides."""
+
+
+def network(bytes_per_s: float) -> Network:
+    """Links of `bytes_per_s` (the 16-bit wire no faster per element: dense16 never pays), 20 ns per element
+    selected: the model keeps dense at 1 GB/s and picks top-k for the large bucket at 100 MB/s."""
+    link = Link(1e-5, bytes_per_s)
+    return Network(LAYOUT, {"world": link, "world16": Link(1e-5, bytes_per_s / 2), "world_gather": link},
+                   Selection(0.0, 2e-8))
+
+
+def policy(trial_steps: int = 0, redecide_every: int = 10, hysteresis: float = 0.1) -> Policy:
+    cfg = CommConfig(kind="auto", densities=[0.01], min_density=0.01, trial_steps=trial_steps,
+                     redecide_every=redecide_every, hysteresis=hysteresis)
+    return Policy(cfg, SIZES, lambda n: candidates(n, LAYOUT, cfg.densities, cfg.min_density, cfg.dense_below),
+                  local_competes=True)
+
+
+def chains(net: Network, plan: Sequence[Choice], link_factor: float = 1.0) -> tuple[float, ...]:
+    """The chain seconds per bucket `plan` measures when the links are `link_factor` times slower than `net`."""
+    return tuple(predict(SIZES, READY, plan, dataclasses.replace(net, net_scale=link_factor), True)[1])
+
+
+def window(net: Network, plan: Sequence[Choice], cost_s: float, link_factor: float = 1.0) -> Window:
+    return Window(tuple(plan), READY, chains(net, plan, link_factor), cost_s)
+
+
+def started(net: Network, **settings: float) -> tuple[Policy, Action]:
+    """A policy after a calibration whose dense chains matched `net`'s (link scale 1)."""
+    p = policy(**settings)
+    return p, p.start(net, window(net, DENSE_PLAN, cost_s=0.5))
+
+
+# ---------------------------------------------------------------- calibration and trials
+
+
+def test_calibration_on_fast_links_keeps_dense_and_on_slow_ones_tries_the_model_s_plan_then_dense():
+    fast, first = started(network(1e9), trial_steps=3)
+    assert (first.kind, first.plan, fast.trials) == ("keep", DENSE_PLAN, [])  # nothing to try
+    assert (first.steps, first.timed) == (10, min(10, WINDOW)) and first.net_scale == pytest.approx(1.0)
+    slow, first = started(network(1e8), trial_steps=3)
+    assert (first.kind, first.plan, first.steps, first.timed) == ("try", TOPK_PLAN, 3, 3)
+    assert slow.trials[0] == TOPK_PLAN and slow.trials[-1] == DENSE_PLAN and len(slow.trials) <= MAX_TRIALS + 1
+    untried, first = started(network(1e8), trial_steps=0)
+    assert (first.kind, first.plan, untried.trials) == ("keep", TOPK_PLAN, [])
+
+
+def run_trials(p: Policy, net: Network, costs: dict[tuple[Choice, ...], float]) -> Action:
+    """Each trial's window with the step cost `costs` gives its plan; the action after the last."""
+    action = None
+    for plan in p.trials:
+        action = p.observe(window(net, plan, costs[plan]))
+    return action
+
+
+@pytest.mark.parametrize("topk_s,kept", [(0.10, TOPK_PLAN), (0.495, DENSE_PLAN)])
+def test_trials_keep_the_fastest_plan_only_if_it_beats_dense_by_the_margin(topk_s, kept):
+    net = network(1e8)
+    p, _ = started(net, trial_steps=3)
+    costs = {plan: 0.8 for plan in p.trials} | {TOPK_PLAN: topk_s, DENSE_PLAN: 0.5}
+    action = run_trials(p, net, costs)
+    assert (action.kind, action.plan, action.trial) == ("keep", kept, False)
+    results = p.trial_results()
+    assert (results[0][0], results[-1][0]) == ("1 x dense, 1 x topk 0.01", "2 x dense")
+    assert [cost for _, cost in results] == [costs[plan] for plan in p.trials]
+    assert "keeping" in action.message
+
+
+def test_trials_are_compared_with_dense_tried_alike_not_with_the_calibration():
+    # the calibration's dense steps measured 0.5 s; top-k's trial 0.1 s beats that, not dense's own trial
+    net = network(1e8)
+    p, _ = started(net, trial_steps=3)
+    action = run_trials(p, net, {plan: 0.1 for plan in p.trials} | {DENSE_PLAN: 0.08})
+    assert action.plan == DENSE_PLAN and p.dense_cost_s == 0.08
+
+
+# ---------------------------------------------------------------- drift
+
+
+def test_a_link_that_slows_under_dense_is_re_decided_once_after_two_windows_and_not_for_one():
+    net = network(1e9)
+    p, first = started(net)
+    assert first.plan == DENSE_PLAN
+    kinds = [p.observe(window(net, DENSE_PLAN, 0.5)).kind for _ in range(2)]
+    # one noisy window ten times slower, then back: not a move
+    kinds += [p.observe(window(net, DENSE_PLAN, 0.5, link_factor=10)).kind,
+              p.observe(window(net, DENSE_PLAN, 0.5)).kind]
+    assert kinds == ["keep"] * 4
+    slow = [p.observe(window(net, DENSE_PLAN, 0.5, link_factor=10)), p.observe(window(net, DENSE_PLAN, 0.5, 10))]
+    assert [a.kind for a in slow] == ["keep", "switch"] and slow[1].plan == TOPK_PLAN
+    assert slow[1].net_scale == pytest.approx(10)  # the model's links follow the measured move
+    # the new plan on the slow link: its first windows are its reference, and it stays
+    after = [p.observe(window(net, TOPK_PLAN, 0.2, link_factor=10)) for _ in range(4)]
+    assert [(a.kind, a.plan) for a in after] == [("keep", TOPK_PLAN)] * 4
+
+
+def test_a_link_change_under_a_sparse_plan_measures_dense_again_before_deciding():
+    net = network(1e8)
+    p, first = started(net)
+    assert first.plan == TOPK_PLAN
+    kinds = [p.observe(window(net, TOPK_PLAN, 0.1)).kind for _ in range(2)]  # the plan's reference settles
+    moved = [p.observe(window(net, TOPK_PLAN, 0.1, link_factor=4)) for _ in range(2)]
+    assert kinds + [a.kind for a in moved] == ["keep", "keep", "keep", "measure_dense"]
+    assert moved[1].plan == DENSE_PLAN  # nothing decided on top-k's chains alone
+    # the dense window on today's links: the scale from it, the baseline from it, then the decision
+    back = p.observe(window(net, DENSE_PLAN, 0.9, link_factor=4))
+    assert (back.kind, back.plan) == ("switch", TOPK_PLAN)
+    assert back.net_scale == pytest.approx(4) and p.dense_cost_s == 0.9
+
+
+@pytest.mark.parametrize("dense_s,outcome", [(1.46, "restore"), (1.09, "hold")])
+def test_a_longer_backward_compares_with_dense_measured_again_and_keeps_the_plan(dense_s, outcome):
+    net = network(1e8)
+    p, _ = started(net, trial_steps=3)
+    assert run_trials(p, net, {plan: 0.3 for plan in p.trials} | {TOPK_PLAN: 0.1, DENSE_PLAN: 0.5}).plan == TOPK_PLAN
+    # backward got longer (a larger image size): the same chains, a step slower than the old dense one
+    compared = p.observe(window(net, TOPK_PLAN, 1.08))
+    assert (compared.kind, compared.plan) == ("compare_dense", DENSE_PLAN)
+    # dense under the longer backward costs more still (the plan comes back), or not by the margin (dense stays)
+    decided = p.observe(window(net, DENSE_PLAN, dense_s))
+    plan = TOPK_PLAN if outcome == "restore" else DENSE_PLAN
+    assert (decided.kind, decided.plan, p.dense_cost_s) == (outcome, plan, dense_s)
+    assert [p.observe(window(net, plan, 1.08)).kind for _ in range(3)] == ["keep"] * 3
+
+
+def test_a_plan_measured_slower_than_dense_reverts_to_dense_and_holds():
+    net = network(1e9)
+    p, _ = started(net)
+    p.observe(window(net, DENSE_PLAN, 0.035))
+    # a plan set from outside (AutoCommunicator.set_plan) that measures ten times slower than dense
+    compared = p.observe(window(net, TOPK_PLAN, 0.33))
+    assert (compared.kind, compared.plan) == ("compare_dense", DENSE_PLAN)
+    held = p.observe(window(net, DENSE_PLAN, 0.016))
+    assert (held.kind, held.plan, p.dense_hold) == ("hold", DENSE_PLAN, HOLD_CHECKS)
+    # the links slow down ten times during the hold, confirmed by a second window: a policy that never reverted
+    # re-decides to top-k there; this one stays dense through the hold and after it, until the links move again
+    factors = [1, 10, 10] + [10] * HOLD_CHECKS
+    actions = [p.observe(window(net, DENSE_PLAN, 0.5, f)) for f in factors]
+    assert [(a.kind, a.plan) for a in actions] == [("keep", DENSE_PLAN)] * len(factors) and p.dense_hold == 0
+    unheld, _ = started(net)
+    assert [unheld.observe(window(net, DENSE_PLAN, 0.5, f)).kind for f in (1, 1, 10, 10)] == ["keep"] * 3 + ["switch"]
+    again = [p.observe(window(net, DENSE_PLAN, 0.5, 40)) for _ in range(2)]
+    assert [a.kind for a in again] == ["keep", "switch"] and again[1].plan == TOPK_PLAN
+
+
+def test_ranks_that_measure_differently_take_one_decision_from_the_merged_window():
+    # rank 1's step under top-k is slow (its selection, say), the others' fast: on their own windows rank 0 would
+    # keep top-k and rank 1 compare with dense; the merged window (a step is as slow as its slowest rank) decides
+    net = network(1e8)
+    fast = window(net, TOPK_PLAN, 0.1)
+    slow = Window(TOPK_PLAN, READY, chains(net, TOPK_PLAN, 3), 2.0)
+    merged = Window.merged([fast, slow, fast, fast])
+    assert merged.cost_s == 2.0 and merged.chain_s == fast.chain_s  # chains: the rank that waited least
+
+    def decision(w: Window) -> str:
+        p, _ = started(net)
+        return p.observe(w).kind
+    assert [decision(w) for w in (fast, slow, merged)] == ["keep", "compare_dense", "compare_dense"]
+
+
+def test_observe_before_start_is_an_error():
+    with pytest.raises(RuntimeError, match="observe before start"):
+        policy().observe(window(network(1e9), DENSE_PLAN, 0.1))
+
+
+# ---------------------------------------------------------------- replayed decisions of real runs
+
+TRACES = json.loads((Path(__file__).parent / "data" / "auto_policy_traces.json").read_text())["scenarios"]
+
+
+def _plan(pairs: list[list]) -> tuple[Choice, ...]:
+    return tuple(Choice(kind, density) for kind, density in pairs)
+
+
+@pytest.mark.parametrize("name", sorted(TRACES))
+def test_recorded_runs_replay_to_the_same_actions(name):
+    run = TRACES[name]
+    s = run["settings"]
+    layout = Layout(*s["layout"])
+    cfg = CommConfig(kind="auto", trial_steps=s["trial_steps"], redecide_every=s["redecide_every"],
+                     hysteresis=s["hysteresis"], densities=s["densities"], min_density=s["min_density"],
+                     dense_below=s["dense_below"])
+    p = Policy(cfg, run["sizes"], lambda n: candidates(n, layout, cfg.densities, cfg.min_density, cfg.dense_below),
+               s["local_competes"])
+    for i, step in enumerate(run["steps"]):
+        expect = step["expect"]
+        if "calibration" in step:
+            c, n = step["calibration"], step["calibration"]["net"]
+            net = Network(layout, {k: Link(*v) for k, v in n["links"].items()}, Selection(*n["selection"]),
+                          n["cast_per_element_s"], n["dense_algorithm"])
+            action = p.start(net, Window((DENSE,) * len(run["sizes"]), tuple(c["ready"]), tuple(c["chain"]), c["cost"]))
+            assert p.trials == [_plan(t) for t in expect["trials"]], i
+        else:
+            w = step["window"]
+            action = p.observe(Window(_plan(w["plan"]), tuple(w["ready"]), tuple(w["chain"]), w["cost"]))
+            assert p.dense_cost_s == expect["dense_cost_s"], i
+            if "dense_hold" in expect:  # a drift check
+                assert p.dense_hold == expect["dense_hold"], i
+                said = expect["message"]  # the recorded line, without the plan it printed after it
+                assert action.message.startswith(said) and bool(action.message) == bool(said), i
+        assert (action.plan, action.trial) == (_plan(expect["plan"]), expect["trial"]), i
+        assert action.net_scale == expect["net_scale"], i  # the same arithmetic: exactly the same scale
