@@ -1,4 +1,4 @@
-"""The multi-level data cache in front of the input pipeline (Shi et al., MLSys 2021; DESIGN.md).
+"""The multi-level data cache in front of the input pipeline (Shi et al., MLSys 2021; docs/data-and-cache.md).
 
     L0 source   data.root: a local or mounted path, or any URL fsspec opens (the slow remote storage)
     L1 disk     node-local copies of the encoded files in cache.dir, listed in a manifest (path, size,

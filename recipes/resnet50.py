@@ -1,4 +1,4 @@
-"""ResNet-50 on ImageNet-layout data, DAWNBench style (Shi et al., MLSys 2021; DESIGN.md).
+"""ResNet-50 on ImageNet-layout data, DAWNBench style (Shi et al., MLSys 2021; docs/architecture.md).
 
     python -m recipes.resnet50 --config configs/resnet50_dawnbench.yaml [--resume] [section.key=value ...]
     torchrun --nproc_per_node 8 --max-restarts 3 -m recipes.resnet50 --config configs/resnet50_1node.yaml

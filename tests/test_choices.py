@@ -112,11 +112,12 @@ def test_the_task_applies_each_choice_both_ways():
 
 @pytest.mark.parametrize("budget,rounds", [(float("inf"), 3), (1e-9, 2)])
 def test_the_budget_stops_the_rounds_after_the_first_measured_one(budget, rounds):
-    """rounds = the warm-up and the measured ones the kept candidate ran (2 measured at most here)."""
+    """rounds = the warm-up and the measured ones the most measured candidate ran (2 measured at most here; a
+    candidate pruned on a noisy round may still be kept, on its estimate so far)."""
     log: list = []
     decision = decide_for(small_task(), penalty(lambda c: c["amp"] == "bf16", log=log), budget=budget)
     probes = len(small_task().probes([(p, 8 * (p.end_epoch - p.start_epoch), 1) for p in PHASES]))
-    assert sum(c == decision.choice for c in log) == rounds * probes
+    assert max(sum(c == other for c in log) for other in log) == rounds * probes
 
 
 def test_a_failing_candidate_is_dropped_with_a_warning():

@@ -1,7 +1,7 @@
 """The import structure of the packages: no cycles, imports flow down the layers, nothing imports scripts/.
 
 Read from the source (import statements, also those inside functions), nothing is imported. Layers, low to
-high (DESIGN.md: `recipes → trainer → {data, trainer/comm, kernels}`, `trainer/comm → kernels`):
+high (docs/architecture.md: `recipes → trainer → {data, trainer/comm, kernels}`, `trainer/comm → kernels`):
 kernels and data import nothing of ours; trainer.config nothing; trainer.dist only trainer.config;
 trainer.comm the two of them and kernels; the rest of trainer everything below it; recipes everything.
 

@@ -7,7 +7,7 @@ dataset or model exists.
 
 Each section's dataclass sits beside the component that reads it; a recipe's root config only nests them.
 A field is documented by the string literal on the line below it (read from the source), which feeds
-`--help`, `configs/REFERENCE.md` and the test that fails on an undocumented field.
+`--help` (`reference`) and the test that fails on an undocumented field.
 """
 
 from __future__ import annotations
