@@ -41,8 +41,8 @@ class CommConfig:
     """auto: steps each plan on trial runs, timed, right after calibration, and all dense after them; the
     fastest plan is kept only if it measured faster than all dense (0: the model's plan is kept untried)."""
     redecide_every: int = 50
-    """auto: steps between drift checks (the measured exchange times against the current plan's first measured
-    window; re-decided when they moved by more than `hysteresis`)."""
+    """auto: steps between drift checks (the measured exchange times against the current plan's reference window:
+    its second measured one, or the trial that chose it; re-decided when they moved by more than `hysteresis`)."""
     hysteresis: float = 0.1
     """auto: the fraction by which measured chain times must move to re-decide, a new plan must be predicted
     faster, and a plan may measure slower than all dense before it reverts to dense."""
