@@ -4,9 +4,12 @@ training once; what each reached and what its start-up measurement cost.
 
 Per run: the process's wall seconds (torchrun start to exit), the trainer's clock (`elapsed_s`), time to the
 target, the final scores, and the seconds the measured choices took before the clock (env.json) with their share
-of the wall time. ratio = the measuring run's start-up seconds / its wall seconds.
+of the wall time. With --fresh-clone, first `make quickstart` itself in a fresh clone of HEAD (its venv set up
+from scratch; pip's download cache is this machine's), with an empty measured-choices cache. ratio = the
+measuring run's start-up seconds / the fresh clone's `make quickstart` seconds (with --fresh-clone), else / the
+measuring run's training wall seconds.
 
-    python -m scripts.bench.quickstart [--quick]      (--quick: the ResNet runs only)
+    python -m scripts.bench.quickstart [--quick] [--fresh-clone]      (--quick: the ResNet runs only)
 """
 
 from __future__ import annotations
@@ -48,9 +51,35 @@ def train(name: str, recipe: tuple, out: Path, cache: Path) -> dict[str, Any]:
             "choice": choices.get("choice"), "source": choices.get("source"), **scores}
 
 
+def fresh_clone(out: Path) -> dict[str, Any]:
+    """`make quickstart` in a fresh clone of HEAD under `out`, timed whole (venv, data, training, report)."""
+    clone = out / "clone"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    cache = out / "cache-fresh"
+    start = time.perf_counter()
+    with open(out / "make-quickstart.log", "w") as log:
+        done = subprocess.run(["make", "quickstart", f"ARGS=train.choices_cache={cache} log.progress=false"],
+                              cwd=clone, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise RuntimeError(f"make quickstart in {clone} exited with status {done.returncode}; see "
+                           f"{out / 'make-quickstart.log'}")
+    run = clone / "runs" / "quickstart"
+    summary = json.loads((run / "summary.json").read_text())
+    startup = float(((read_run_record(run) or {}).get("choices") or {}).get("seconds", 0.0))
+    print(f"  make quickstart, fresh clone: {wall:.1f} s, start-up {startup:.1f} s ({startup / wall:.1%}); "
+          f"top-1 {summary.get('final_top1')}", flush=True)
+    return {"wall_s": round(wall, 1), "elapsed_s": round(summary["elapsed_s"], 1),
+            "time_to_target_s": summary["time_to_target_s"], "epochs_run": summary["epochs_run"],
+            "startup_s": round(startup, 2), "startup_share": round(startup / wall, 4),
+            "final_top1": summary.get("final_top1"), "final_top5": summary.get("final_top5")}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = common.bench_parser("quickstart", __doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="run folders (default runs/bench_quickstart/<time>)")
+    parser.add_argument("--fresh-clone", action="store_true",
+                        help="also time `make quickstart` in a fresh clone of HEAD (sets up its own venv)")
     args = parser.parse_args(argv)
     common.record_run(args)
     out = (args.out or ROOT / "runs" / "bench_quickstart" / time.strftime("%Y%m%d-%H%M%S")).resolve()
@@ -61,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     machine = common.machine()
     print(f"# scripts/bench/quickstart.py: {machine['cpu']} ({', '.join(machine['cpu_flags'])}), 2 ranks; run "
           f"folders in {out}", flush=True)
-    runs = {"resnet, measuring": train("resnet, measuring", RESNET, out / "resnet-measuring", out / "cache"),
+    runs = {"make quickstart, fresh clone": fresh_clone(out)} if args.fresh_clone else {}
+    runs |= {"resnet, measuring": train("resnet, measuring", RESNET, out / "resnet-measuring", out / "cache"),
             "resnet, cached": train("resnet, cached", RESNET, out / "resnet-cached", out / "cache")}
     if not args.quick:
         runs["transformer, measuring"] = train("transformer, measuring", TRANSFORMER, out / "transformer",
@@ -71,9 +101,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   ", ".join(f"{k} {v:.4g}" for k, v in r.items() if k.startswith(("final_", "test_")))]
                  for name, r in runs.items()])
     measuring = runs["resnet, measuring"]
-    return common.emit_result("quickstart", "the measuring quickstart's own wall time (start-up share)",
-                              measuring["startup_s"] / measuring["wall_s"], runs=runs,
-                              cached_startup_share=runs["resnet, cached"]["startup_share"])
+    whole = runs.get("make quickstart, fresh clone")
+    return common.emit_result(
+        "quickstart", "make quickstart on a fresh clone (start-up share)" if whole else
+        "the measuring quickstart's own wall time (start-up share)",
+        (whole or measuring)["startup_s"] / (whole or measuring)["wall_s"], runs=runs,
+        training_startup_share=measuring["startup_share"],
+        cached_startup_share=runs["resnet, cached"]["startup_share"])
 
 
 if __name__ == "__main__":
