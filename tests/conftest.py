@@ -57,6 +57,14 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, *args: Any, timeout: flo
         pytest.fail(str(e))
 
 
+def rejoin_group(rank: int, world: int, store: Path) -> None:
+    """Join a gloo group through a fresh FileStore at `store` unless this rank is in one: a recipe run tears its
+    group down at its end (as under torchrun), so the next run in the same ranks meets anew."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.FileStore(str(store), world), rank=rank, world_size=world)
+
+
 PROCESS_STARTERS = re.compile(r"(python[\d.]*|torchrun|horovodrun|make|bash|sh|env)")
 """Programs that start Python (or a shell that may): what a unit test must not run."""
 

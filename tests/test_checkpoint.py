@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import run_ranks
+from tests.conftest import rejoin_group, run_ranks
 from tests.faults.inject import Fault, install
 from tests.test_trainer import TINY, phases
 from trainer.checkpoint import (MANIFEST, MODEL, CheckpointWriteError, LegacyCheckpointError, checkpoint_dirs,
@@ -47,34 +47,43 @@ def recipe_args(digits_root: Path, log_dir: Path, *extra: str) -> list[str]:
             f"log.dir={log_dir}", *extra]
 
 
-def _train(rank: int, world: int, argv: list[str], fault: str) -> dict:
-    """One rank of the recipe, with `fault` planted; its exit status and the warnings it raised."""
-    if fault:
-        install(Fault.parse(fault))
+def _train(rank: int, world: int, workdir: Path, runs: list[tuple[list[str], str]]) -> list[dict]:
+    """The recipe runs one after another on this rank, each with its fault planted (a planted fault stays for the
+    rest of the process: faulted runs go last); per run, its exit status and the warnings it raised."""
     from recipes.resnet50 import main
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            main(argv)
-            status = 0
-        except SystemExit as e:
-            status = e.code
-    return {"status": status, "warnings": [str(w.message) for w in caught]}
+    results = []
+    for i, (argv, fault) in enumerate(runs):
+        rejoin_group(rank, world, workdir / f"store{i}")
+        if fault:
+            install(Fault.parse(fault))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                main(argv)
+                status = 0
+            except SystemExit as e:
+                status = e.code
+        results.append({"status": status, "warnings": [str(w.message) for w in caught]})
+    return results
 
 
-def train(tmp_path: Path, world: int, argv: list[str], fault: str = "") -> list[dict]:
+def train(tmp_path: Path, world: int, runs: list[tuple[list[str], str]]) -> list[list[dict]]:
+    """`runs` (argv, fault) in one spawn of `world` ranks (a spawn costs more than a short run); per run, each
+    rank's exit status and warnings."""
     workdir = Path(tmp_path) / f"ranks-{len(list(Path(tmp_path).glob('ranks-*')))}"
     workdir.mkdir(parents=True)
-    return run_ranks(_train, world, workdir, argv, fault, timeout=TIMEOUT_S)
+    by_rank = run_ranks(_train, world, workdir, workdir, runs, timeout=TIMEOUT_S)
+    return [list(ranks) for ranks in zip(*by_rank)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, digits_root: Path) -> dict[str, Path]:
-    """The uninterrupted 2-rank run, and one whose rank 1 got a SIGTERM in step 5."""
+    """The uninterrupted 2-rank run, and one whose rank 1 got a SIGTERM in step 5 (in the same ranks, after it)."""
     base = tmp_path_factory.mktemp("per-rank")
-    assert [r["status"] for r in train(base, 2, recipe_args(digits_root, base / "straight"))] == [0, 0]
-    results = train(base, 2, recipe_args(digits_root, base / "preempted"), fault="term:1:5")
-    assert [r["status"] for r in results] == [PREEMPTED_EXIT_CODE] * 2  # every rank: the restartable status
+    straight, preempted = train(base, 2, [(recipe_args(digits_root, base / "straight"), ""),
+                                          (recipe_args(digits_root, base / "preempted"), "term:1:5")])
+    assert [r["status"] for r in straight] == [0, 0]
+    assert [r["status"] for r in preempted] == [PREEMPTED_EXIT_CODE] * 2  # every rank: the restartable status
     return {"straight": base / "straight", "preempted": base / "preempted"}
 
 
@@ -82,6 +91,21 @@ def resumed_copy(runs: dict[str, Path], tmp_path: Path, name: str) -> Path:
     run = tmp_path / name
     shutil.copytree(runs["preempted"], run)
     return run
+
+
+@pytest.fixture(scope="module")
+def resumed_on_2(runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
+                 digits_root: Path) -> dict[str, tuple[Path, list[dict]]]:
+    """The preempted run resumed on 2 ranks from two copies, in one spawn of ranks: as it was (first, in fresh
+    processes), and with rank 1's file of the newest checkpoint corrupted. Per copy: its folder and results."""
+    base = tmp_path_factory.mktemp("resumed-on-2")
+    intact, corrupt = resumed_copy(runs, base, "on2"), resumed_copy(runs, base, "corrupt")
+    torn = corrupt / "checkpoints" / "step-00000005" / rank_file(1)
+    data = bytearray(torn.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    torn.write_bytes(bytes(data))
+    results = train(base, 2, [(recipe_args(digits_root, run, "train.resume=true"), "") for run in (intact, corrupt)])
+    return {"on2": (intact, results[0]), "corrupt": (corrupt, results[1])}
 
 
 def test_a_sigterm_to_one_rank_leaves_a_complete_per_rank_checkpoint(runs):
@@ -102,9 +126,8 @@ def test_a_sigterm_to_one_rank_leaves_a_complete_per_rank_checkpoint(runs):
     assert not (runs["preempted"] / "summary.json").exists()
 
 
-def test_the_preempted_run_resumes_on_2_ranks_bitwise_equal(runs, tmp_path, digits_root):
-    run = resumed_copy(runs, tmp_path, "on2")
-    results = train(tmp_path, 2, recipe_args(digits_root, run, "train.resume=true"))
+def test_the_preempted_run_resumes_on_2_ranks_bitwise_equal(runs, resumed_on_2):
+    run, results = resumed_on_2["on2"]
     assert [r["status"] for r in results] == [0, 0]
     assert not any("written by" in w for r in results for w in r["warnings"])
     straight, _ = latest_checkpoint(runs["straight"])
@@ -121,7 +144,7 @@ def test_the_preempted_run_resumes_on_2_ranks_bitwise_equal(runs, tmp_path, digi
 
 def test_the_preempted_run_resumes_on_3_ranks_with_a_warning(runs, tmp_path, digits_root):
     run = resumed_copy(runs, tmp_path, "on3")
-    results = train(tmp_path, 3, recipe_args(digits_root, run, "train.resume=true"))
+    (results,) = train(tmp_path, 3, [(recipe_args(digits_root, run, "train.resume=true"), "")])
     assert [r["status"] for r in results] == [0, 0, 0]
     (warning,) = [w for w in results[0]["warnings"] if "written by" in w]
     assert "written by 2 ranks, on 3 ranks" in warning
@@ -134,13 +157,8 @@ def test_the_preempted_run_resumes_on_3_ranks_with_a_warning(runs, tmp_path, dig
     assert newest.name == "step-00000006" and len(state["ranks"]) == 3  # now a 3-rank checkpoint
 
 
-def test_a_corrupted_rank_file_falls_back_to_the_previous_checkpoint(runs, tmp_path, digits_root):
-    run = resumed_copy(runs, tmp_path, "corrupt")
-    torn = run / "checkpoints" / "step-00000005" / rank_file(1)
-    data = bytearray(torn.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    torn.write_bytes(bytes(data))
-    results = train(tmp_path, 2, recipe_args(digits_root, run, "train.resume=true"))
+def test_a_corrupted_rank_file_falls_back_to_the_previous_checkpoint(runs, resumed_on_2):
+    run, results = resumed_on_2["corrupt"]
     assert [r["status"] for r in results] == [0, 0]
     assert any("skipping checkpoint" in w and "rank-00001.pt: checksum mismatch" in w for w in results[0]["warnings"])
     straight, _ = latest_checkpoint(runs["straight"])

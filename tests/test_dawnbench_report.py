@@ -79,14 +79,24 @@ def test_tsv_round_trips_to_the_run_history(runs, tmp_path):
     assert (runs["reached"] / "dawnbench.tsv").read_text() == next(tmp_path.glob("*.tsv")).read_text()
 
 
+@pytest.mark.unit
+def test_hms_is_dawnbench_time_rounded_to_the_second():
+    assert hms(0) == "0:00:00" and hms(151) == "0:02:31" and hms(1086) == "0:18:06"
+    assert hms(59.4) == "0:00:59" and hms(59.6) == "0:01:00"  # rounded, not cut: 59.6 s is a minute
+    assert hms(3599.7) == "1:00:00" and hms(25 * 3600 + 61) == "25:01:01"  # carries; hours do not wrap at a day
+
+
 def test_report_places_the_run_beside_published_entries(runs, tmp_path):
     report(runs["reached"], tmp_path, cost_per_hour=3.06)
     entry, _, md = outputs(tmp_path)
-    for p in PUBLISHED:
+    for p in PUBLISHED:  # each row carries its own entry's figures: the time read back is the published one
         row = next(line for line in md.splitlines() if line.startswith(f"| {p.name} |"))
-        assert hms(p.time_s) in row and p.sources[0] in row
-    assert [hms(p.time_s) for p in PUBLISHED] == ["0:02:38", "0:02:31", "0:18:06", "0:21:37"]
-    assert "$7.43" in md and "https://arxiv.org/abs/2010.10458" in md
+        _, time_cell, _, hardware, cost, links = (cell.strip() for cell in row.strip("|").split(" | "))
+        h, m, sec = (int(x) for x in re.fullmatch(r"(\d+):(\d\d):(\d\d)", time_cell).groups())
+        assert m < 60 and sec < 60 and 3600 * h + 60 * m + sec == p.time_s, (p.name, time_cell)
+        assert hardware == p.hardware and cost == ("—" if p.cost_usd is None else f"${p.cost_usd:.2f}")
+        assert links == ", ".join(f"[{i + 1}]({url})" for i, url in enumerate(p.sources))
+    assert "(https://arxiv.org/abs/2010.10458)" in md  # the paper's own result stands among them
     tta = entry["misc"]["timeToTargetSeconds"]
     mine = next(line for line in md.splitlines() if line.startswith("| **This run (reached)** |"))
     assert f"{hms(tta)} ({tta:.1f} s, epoch 1)" in mine and f"${tta / 3600 * 3.06:.2f}" in mine

@@ -242,7 +242,23 @@ def test_transformer_config_plans_the_configs_own_model(capsys):
     steps = {s["exchange"]: s for s in out["steps"]}
     assert set(steps) == {"dense", "dense16", "topk 0.1", "hitopk 0.1", "auto"}  # never below min_density 0.1
     assert all(c in ("dense", "dense16", "topk 0.1", "hitopk 0.1") for c in steps["auto"]["plan"])
-    assert out["recommended"] == min(list(steps)[:-1], key=lambda k: steps[k]["step_ms"])
+
+
+def test_transformer_plan_recommends_by_what_each_exchange_costs():
+    """On one GPU nothing is exchanged: every exchange costs the compute alone, and plain dense is recommended.
+    On a slow link (0.1 Gbit/s between 16 nodes) the exposed exchange is its bytes: fp16 halves dense's, and at
+    the config's min_density 0.1 the (value, index) pairs gathered from 16 nodes (hitopk) or 128 GPUs (topk)
+    outweigh dense's: dense16 < dense < hitopk < topk, dense16 recommended, auto no slower than it."""
+    common = ["--calibration", "", "--config", "configs/transformer_wmt16_en_de.yaml", "--step-ms", "100"]
+    one = plan.main([*common, "--nodes", "1", "--gpus-per-node", "1"])
+    assert {s["exchange"]: s["step_ms"] for s in one["steps"]} == dict.fromkeys(
+        ["dense", "dense16", "topk 0.1", "hitopk 0.1", "auto"], 100.0)
+    assert one["recommended"] == "dense"
+    slow = plan.main([*common, "--inter-gbit", "0.1"])
+    exposed = {s["exchange"]: s["step_ms"] - 100.0 for s in slow["steps"]}
+    assert exposed["dense16"] == pytest.approx(exposed["dense"] / 2, rel=0.01)
+    assert exposed["dense16"] < exposed["dense"] < exposed["hitopk 0.1"] < exposed["topk 0.1"]
+    assert slow["recommended"] == "dense16" and exposed["auto"] <= exposed["dense16"] * 1.0001
 
 
 def test_model_transformer_uses_the_transformer_recipe():

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import matplotlib.colors
 import matplotlib.image
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from scripts import tta_baseline
 from scripts.bench import tta
 from scripts.bench.tta import Run, bootstrap_interval, compare, launch, paired_ratio, plan, reached_at, read_run
 from scripts.make_tta_photos import VAL_SIDE, prepare, region_centres
+from scripts import plot_tta
 from scripts.plot_tta import first_reach, plot, read_curve
 from tests.conftest import ROOT, run_ranks
 
@@ -233,34 +235,78 @@ def test_first_reach():
     assert first_reach([1.0], [0.5], None) is None
 
 
+def history(run_dir: Path) -> tuple[list[float], list[float]]:
+    """(elapsed seconds, top-1) of the run's evaluated epochs, as its summary.json records them."""
+    records = json.loads((run_dir / "summary.json").read_text())["history"]
+    return [h["time/elapsed_s"] for h in records], [h["eval/top1"] for h in records]
+
+
 @pytest.mark.e2e
-def test_plot_draws_recorded_runs_of_both_sides(baseline_runs, tmp_path):
-    png = plot([baseline_runs["stopped"], baseline_runs["missed"]], tmp_path / "tta.png", target=0.98,
-               labels=["baseline", "baseline, missed"], colors=["tab:blue", "tab:blue"])
-    height, width, _ = matplotlib.image.imread(png).shape
-    assert (width, height) == (840, 540)  # 7 x 4.5 inches at 120 dpi
+def test_plot_draws_recorded_runs_of_both_sides(baseline_runs, tmp_path, monkeypatch):
+    """What the figure holds, read back from its axes against the runs' summary.json: each run's curve (seconds,
+    top-1 in %) in its colour and with its legend label, a star at its first evaluation at the target, and the
+    target line. The target is the stopped run's lowest top-1: that run is at it from its first evaluation on
+    (two evaluations: the star must mark the first), exactly at it in one of them."""
+    figures = []
+    monkeypatch.setattr(plot_tta.plt, "close", figures.append)  # plot() closes its figure: keep it to read back
+    runs = {"baseline": baseline_runs["stopped"], "baseline, missed": baseline_runs["missed"]}
+    curves = {label: history(run) for label, run in runs.items()}
+    target = min(curves["baseline"][1])
+    assert 0 < target and len(curves["baseline"][0]) == 2  # it stopped at its second evaluation at >= 1e-9
+    assert max(max(seconds) for seconds, _ in curves.values()) < 300  # seconds on the x axis
+    plot(list(runs.values()), tmp_path / "tta.png", target=target, labels=list(runs), colors=["tab:blue"] * 2)
+    monkeypatch.undo()
+    (fig,) = figures
+    plot_tta.plt.close(fig)  # its artists stay readable
+    assert (tmp_path / "tta.png").is_file()
+    (ax,) = fig.axes
+    assert ax.get_xlabel() == "wall-clock time (s)" and ax.get_ylabel() == "validation top1 accuracy (%)"
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    stars = [(float(line.get_xdata()[0]), float(line.get_ydata()[0])) for line in ax.get_lines()
+             if line.get_marker() == "*"]
+    reached, legend = 0, []
+    for label, (seconds, top1) in curves.items():
+        reach = next(((s, a) for s, a in zip(seconds, top1) if a >= target), None)
+        legend.append(label + (f" (target at {reach[0]:.3g} s)" if reach else " (target not reached)"))
+        assert legend[-1] in lines, (legend[-1], list(lines))
+        curve = lines[legend[-1]]
+        assert list(curve.get_xdata()) == seconds
+        assert list(curve.get_ydata()) == pytest.approx([100 * a for a in top1])
+        assert matplotlib.colors.same_color(curve.get_color(), "tab:blue")
+        if reach:
+            reached += 1
+            assert (reach[0], pytest.approx(100 * reach[1])) in stars, (label, stars)
+    assert reached >= 1 and len(stars) == reached
+    legend.append(f"target {100 * target:g}%")
+    assert list(lines[legend[-1]].get_ydata()) == pytest.approx([100 * target] * 2)
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == legend
 
 
 @pytest.mark.e2e
 def test_plotted_points_are_the_runs_evaluations(baseline_runs):
     """Each curve is its run's evaluated epochs, as the run's summary.json records them (both sides)."""
     for side in ("stopped", "missed"):
-        history = json.loads((baseline_runs[side] / "summary.json").read_text())["history"]
-        assert len(history) >= 1
-        assert read_curve(baseline_runs[side], "top1") == ([h["time/elapsed_s"] for h in history],
-                                                           [h["eval/top1"] for h in history]), side
+        assert len(history(baseline_runs[side])[0]) >= 1
+        assert read_curve(baseline_runs[side], "top1") == history(baseline_runs[side]), side
 
 
 @pytest.mark.e2e
 def test_plot_cli_on_run_folders(baseline_runs, tmp_path):
+    """The command line draws what plot() draws with the same runs, labels, metric and target, pixel for pixel
+    (the drawing itself is checked above); labels other than the folder names, so that dropped ones show."""
     out = tmp_path / "cli.png"
     done = subprocess.run([sys.executable, "scripts/plot_tta.py", str(baseline_runs["stopped"]),
-                           str(baseline_runs["missed"]), "--labels", "stopped", "missed", "--out", str(out)],
+                           str(baseline_runs["missed"]), "--labels", "run A", "run B", "--metric", "top5",
+                           "--target", "0.5", "--colors", "tab:green", "tab:red", "--out", str(out)],
                           cwd=ROOT, check=True, capture_output=True, text=True)
     assert done.stdout.strip() == str(out)
-    with Image.open(out) as png:
-        assert png.format == "PNG" and png.size == (840, 540)  # 7 x 4.5 inches at 120 dpi
-        png.load()  # the whole image decodes
+    same = plot([baseline_runs["stopped"], baseline_runs["missed"]], tmp_path / "api.png", metric="top5",
+                target=0.5, labels=["run A", "run B"], colors=["tab:green", "tab:red"])
+    other = plot([baseline_runs["stopped"], baseline_runs["missed"]], tmp_path / "other.png", metric="top5",
+                 target=0.5, labels=["run A", "run C"], colors=["tab:green", "tab:red"])
+    drawn, expected = matplotlib.image.imread(out), matplotlib.image.imread(same)
+    assert drawn.shape == expected.shape and np.array_equal(drawn, expected)
+    assert not np.array_equal(expected, matplotlib.image.imread(other))  # one legend word shows in the pixels
 
 
 @pytest.mark.e2e
@@ -343,11 +389,50 @@ def test_frozen_configs_compare_like_with_like():
     assert cfg.schedule.phases[-1].end_epoch == cfg.train.epochs
 
 
-def test_result_line_carries_both_configs():
-    got = tta.configs()
-    assert got["baseline_config"]["file"] == tta.BASELINE_CONFIG and "lr" in got["baseline_config"]
-    assert got["recipe_config"]["file"] == tta.RECIPE_CONFIG and "schedule" in got["recipe_config"]
-    assert np.isfinite(got["baseline_config"]["lr"])
+def assert_loaded_as(raw: dict, loaded: object, where: str) -> None:
+    """Every value of a recipe YAML mapping equals the loaded config's (sections and phase tables recursively)."""
+    for key, value in raw.items():
+        got = getattr(loaded, key)
+        if isinstance(value, dict):
+            assert_loaded_as(value, got, f"{where}{key}.")
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            assert len(got) == len(value), f"{where}{key}"
+            for i, (item, loaded_item) in enumerate(zip(value, got)):
+                assert_loaded_as(item, loaded_item, f"{where}{key}[{i}].")
+        else:
+            assert got == value, f"{where}{key}: {got!r} != {value!r}"
+
+
+def test_result_line_carries_both_configs(tmp_path, monkeypatch, capsys):
+    """The bench's result line records each frozen config file as it stands, and what it records is what that
+    side runs with: every baseline option as scripts/tta_baseline.py parses the file, every recipe key as the
+    recipe's config loader resolves it."""
+    from recipes.resnet50 import Config
+    from scripts.bench import common
+    from trainer.config import load_config
+
+    monkeypatch.setitem(common._run, "results_dir", "")  # no result file
+    runs = []
+    for side, seconds in (("baseline", 50.0), ("recipe", 20.0)):
+        r = run(side, 100, seconds)
+        r.run_dir = str(tmp_path / f"{side}_seed100")
+        Path(r.run_dir).mkdir()
+        (Path(r.run_dir) / "metrics.jsonl").write_text(json.dumps(
+            {"kind": "epoch", "epoch": 0, "eval/top1": 0.95, "time/elapsed_s": seconds}) + "\n")
+        runs.append(r)
+    line = tta.finish(runs, tmp_path, 0.9, 2, "fp32", 1)
+    capsys.readouterr()
+    assert json.loads(json.dumps(line)) == line  # as printed and written: plain JSON
+    baseline, recipe = dict(line["baseline_config"]), dict(line["recipe_config"])
+    assert baseline.pop("file") == tta.BASELINE_CONFIG and recipe.pop("file") == tta.RECIPE_CONFIG
+    assert baseline.keys() == yaml.safe_load((ROOT / tta.BASELINE_CONFIG).read_text()).keys()
+    assert recipe.keys() == yaml.safe_load((ROOT / tta.RECIPE_CONFIG).read_text()).keys()
+    args = tta_baseline.parse_args(["--config", str(ROOT / tta.BASELINE_CONFIG)])
+    for key, value in baseline.items():
+        parsed = getattr(args, key.replace("-", "_"))
+        assert parsed == (Path(value) if isinstance(parsed, Path) else value), key
+    assert_loaded_as({k: v for k, v in recipe.items() if k != "base"},
+                     load_config(Config, str(ROOT / tta.RECIPE_CONFIG)), "")
 
 
 def test_result_of_finished_runs_keeps_complete_seeds_only(tmp_path):

@@ -3,8 +3,9 @@
     FAULT=kill:1:8 torchrun --nproc-per-node 2 --max-restarts 1 -m tests.faults.inject --config ... key=value
 
 `FAULT=kind:rank:step[:attempt]` strikes on `rank` during training step `step` (1-based: the step-th
-forward pass in train mode) of torchrun attempt `attempt` (TORCHELASTIC_RESTART_COUNT, default 0, so a
-restarted job runs clean):
+forward pass in train mode of that process, so a resumed attempt counts from its first step) of torchrun
+attempt `attempt` (TORCHELASTIC_RESTART_COUNT, default 0, so a restarted job runs clean); several faults are
+separated by commas (`kill:1:8,term:1:1:1`: the restarted attempt is preempted in its first step):
 
 - `kill`: the process SIGKILLs itself (a crashed node, an OOM kill);
 - `stop`: it SIGSTOPs itself (a hung process: alive, holding its sockets, answering nothing);
@@ -84,6 +85,6 @@ def install(fault: Fault) -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("FAULT"):
-        install(Fault.parse(os.environ["FAULT"]))
+    for spec in filter(None, os.environ.get("FAULT", "").split(",")):
+        install(Fault.parse(spec))
     recipe.main(sys.argv[1:])

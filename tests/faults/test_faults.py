@@ -4,6 +4,22 @@ Every test trains the ResNet recipe (resnet18 on 16 px digits) on 2 gloo ranks i
 resumed run is compared with an uninterrupted one bit for bit. The faults come from outside the recipe
 (tests/faults/inject.py). Schedule: 2 epochs x 5 steps; checkpoints after steps 3, 6, 9 (mid-epoch) and at
 the epoch ends (5, 10). A corrupted cache entry is covered in tests/test_cache.py.
+
+A resumed run ends bitwise equal to the uninterrupted one: which test covers which (communicator, resume
+path). A reference run serves every test of its configuration (module fixtures); the kill and the SIGTERM
+strike one torchrun job in turn, each test asserting its part.
+
+    communicator          resume path                                      test
+    dense (torchrun)      torchrun restart after a SIGKILL, step-6 ckpt    here: test_a_rank_killed_mid_epoch_...
+    dense (torchrun)      SIGTERM: step-7 ckpt, exit 75, torchrun restart  here: test_a_sigterm_to_one_rank_...
+    dense (torchrun)      torn newest ckpt skipped, step 9, resume=true    here: test_a_torn_newest_checkpoint_...
+    topk                  SIGTERM: step-5 ckpt, exit 75, resume=true       test_checkpoint: ..._resumes_on_2_ranks_...
+    topk                  corrupted rank file: the epoch-end ckpt          test_checkpoint: ..._corrupted_rank_file_...
+    topk, 2 -> 3 ranks    other world size (kept/dropped; not bitwise)     test_checkpoint: ..._resumes_on_3_ranks_...
+    hitopk, torch.topk    epoch-end ckpt, --resume, fresh processes        test_comm: test_hitopk_run_resumes_bitwise
+    none (1 process)      epoch-end ckpt, --resume to more epochs          test_trainer: test_resume_gives_the_same_...
+    none, choices         measured choices from the ckpt, not the cache    test_choices: ..._keeps_the_checkpoints_...
+    Transformer, hitopk   epoch-end ckpt, --resume, BLEU history           test_transformer_recipe: ..._resumes_exactly
 """
 
 from __future__ import annotations
@@ -85,18 +101,41 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, digits_root: Path) -
     return run
 
 
-# ---------------------------------------------------------------- elastic restart and torn checkpoints
+# ---------------------------------------------------------------- elastic restart, preemption, torn checkpoints
 
 
-def test_a_rank_killed_mid_epoch_restarts_and_ends_bitwise_equal(tmp_path, digits_root, uninterrupted):
-    # dense; hitopk's residuals across a resume are checked by tests/test_comm.py's resume test
-    reference = final_state(uninterrupted("dense"))
-    done = torchrun(recipe_args(digits_root, tmp_path, "dense"), restarts=1, fault="kill:1:8")  # SIGKILL in step 8
+@pytest.fixture(scope="module")
+def killed_then_preempted(tmp_path_factory: pytest.TempPathFactory, digits_root: Path) -> tuple[Path, str]:
+    """One torchrun job, both restart paths (dense): rank 1 is SIGKILLed in step 8 (attempt 0), the restarted
+    job resumes from the step-6 checkpoint and rank 1 gets a SIGTERM in its first step, step 7 (attempt 1);
+    every rank finishes step 7, they write a checkpoint of it together and exit 75; attempt 2 resumes at step 7
+    and finishes. Its folder and torchrun's output."""
+    run = tmp_path_factory.mktemp("killed-then-preempted")
+    done = torchrun(recipe_args(digits_root, run, "dense"), restarts=2, fault="kill:1:8,term:1:1:1")
     assert done.returncode == 0, done.stdout[-4000:]
-    assert "exitcode: -9" in done.stdout  # torchrun saw rank 1 die of the SIGKILL...
+    return run, done.stdout
+
+
+def test_a_rank_killed_mid_epoch_restarts_and_ends_bitwise_equal(killed_then_preempted, uninterrupted):
+    # dense; hitopk's residuals across a resume are checked by tests/test_comm.py's resume test
+    run, out = killed_then_preempted
+    assert "exitcode: -9" in out  # torchrun saw rank 1 die of the SIGKILL...
     # ...and the restarted job resumed inside epoch 1 from the newest checkpoint (step 6), on its own
-    assert re.search(r"resumed from \S+step-00000006 at epoch 1, step 6", done.stdout), done.stdout[-4000:]
-    assert_same_weights(reference, final_state(tmp_path))
+    assert re.search(r"resumed from \S+step-00000006 at epoch 1, step 6", out), out[-4000:]
+    assert_same_weights(final_state(uninterrupted("dense")), final_state(run))
+
+
+def test_a_sigterm_to_one_rank_checkpoints_exits_75_and_the_restart_ends_equal(killed_then_preempted, uninterrupted):
+    """The preemption notice in step 7 (between the step-6 checkpoint and the step-9 one) is checkpointed at
+    step 7; the restart resumes there and ends with the uninterrupted run's weights and scores."""
+    run, out = killed_then_preempted
+    assert re.search(r"preempted: .*reached 1 rank\(s\); checkpoint of step 7 complete .* exiting with status 75",
+                     out), out[-4000:]
+    assert "exitcode: 75" in out  # what torchrun saw, and restarted on
+    assert re.search(r"resumed from \S+step-00000007 at epoch 1, step 7", out), out[-4000:]
+    assert_same_weights(final_state(uninterrupted("dense")), final_state(run))
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (uninterrupted("dense"), run))
+    assert a["final"]["eval/top1"] == b["final"]["eval/top1"] and a["final"]["eval/loss"] == b["final"]["eval/loss"]
 
 
 def test_a_torn_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, digits_root, uninterrupted):
@@ -110,25 +149,6 @@ def test_a_torn_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, digi
     assert re.search(r"skipping checkpoint: \S+step-00000010/model\.pt: truncated", done.stdout), done.stdout[-4000:]
     assert re.search(r"resumed from \S+step-00000009 at epoch 1, step 9", done.stdout)
     assert_same_weights(reference, final_state(run))  # step 10 trained again, to the same bits
-
-
-# ---------------------------------------------------------------- preemption
-
-
-def test_a_sigterm_to_one_rank_checkpoints_exits_75_and_the_restart_ends_equal(tmp_path, digits_root, uninterrupted):
-    """A preemption notice to rank 1 in step 7 (between the step-6 checkpoint and the step-9 one): every rank
-    finishes step 7, they write a checkpoint of it together and exit 75; torchrun restarts the job, which
-    resumes at step 7 and ends with the uninterrupted run's weights and scores."""
-    reference = final_state(uninterrupted("dense"))
-    done = torchrun(recipe_args(digits_root, tmp_path, "dense"), restarts=1, fault="term:1:7")
-    assert done.returncode == 0, done.stdout[-4000:]
-    assert re.search(r"preempted: .*reached 1 rank\(s\); checkpoint of step 7 complete .* exiting with status 75",
-                     done.stdout), done.stdout[-4000:]
-    assert "exitcode: 75" in done.stdout  # what torchrun saw, and restarted on
-    assert re.search(r"resumed from \S+step-00000007 at epoch 1, step 7", done.stdout), done.stdout[-4000:]
-    assert_same_weights(reference, final_state(tmp_path))
-    a, b = (json.loads((run / "summary.json").read_text()) for run in (uninterrupted("dense"), tmp_path))
-    assert a["final"]["eval/top1"] == b["final"]["eval/top1"] and a["final"]["eval/loss"] == b["final"]["eval/loss"]
 
 
 # ---------------------------------------------------------------- a stopped (hung) rank
