@@ -26,7 +26,7 @@ import torch
 from tests.conftest import rejoin_group, run_ranks
 from tests.faults.inject import Fault, install
 from tests.test_trainer import TINY, phases
-from trainer.checkpoint import (MANIFEST, MODEL, CheckpointWriteError, LegacyCheckpointError, checkpoint_dirs,
+from trainer.checkpoint import (MANIFEST, MODEL, CheckpointWriteError, checkpoint_dirs,
                                 collect_rank_records, latest_checkpoint, prune, rank_file, step_dir_name,
                                 write_atomic, write_manifest, write_rank_files)
 from trainer.comm import LocalCommunicator
@@ -165,14 +165,6 @@ def test_a_corrupted_rank_file_falls_back_to_the_previous_checkpoint(runs, resum
     resumed, _ = latest_checkpoint(run)  # from step 3 (the epoch end), steps 4-6 trained again
     different = [k for k, v in straight["model"].items() if not torch.equal(v, resumed["model"][k])]
     assert not different, different[:5]
-
-
-def test_checkpoints_of_the_single_file_format_get_a_clear_error(tmp_path):
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "ckpt-00000004.pt").write_bytes(b"old")
-    with pytest.raises(LegacyCheckpointError, match=r"single-file checkpoints of an earlier version \(ckpt-00000004"
-                                                    r"\.pt, \.\.\.\).*train\.resume=false"):
-        checkpoint_dirs(tmp_path)
 
 
 def test_without_a_terminal_progress_is_a_line_every_n_steps(capsys):

@@ -39,7 +39,6 @@ FORMAT = 2
 """The layout version in every manifest."""
 MODEL, SHARED, MANIFEST = "model.pt", "shared.pt", "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_LEGACY = re.compile(r"^ckpt-\d{8}\.pt$")
 _CHUNK = 1 << 22
 
 
@@ -54,10 +53,6 @@ class CheckpointWriteError(OSError):
     def __init__(self, message: str, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
-
-
-class LegacyCheckpointError(ValueError):
-    """The folder holds only single-file checkpoints (ckpt-NNNNNNNN.pt), a format this module does not read."""
 
 
 def step_dir_name(step: int) -> str:
@@ -182,24 +177,9 @@ def step_dirs(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), reverse=True)
 
 
-def legacy_files(folder: Path) -> list[Path]:
-    """Single-file checkpoints (ckpt-NNNNNNNN.pt, a format this module does not read) in `folder`."""
-    return sorted(p for p in Path(folder).iterdir() if _LEGACY.match(p.name)) if Path(folder).is_dir() else []
-
-
-def legacy_error(folder: Path) -> LegacyCheckpointError:
-    """The error for a run folder that holds only single-file checkpoints: what they are and what to do."""
-    found = legacy_files(folder)
-    return LegacyCheckpointError(
-        f"{folder} holds single-file checkpoints of an earlier version ({found[-1].name}, ...), which this version "
-        "does not read; it writes checkpoint folders (step-NNNNNNNN/ with a manifest). Start a fresh run "
-        "(train.resume=false archives them under log.dir/previous/)")
-
-
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
     """The complete, verified checkpoints of a run (RUN/checkpoints/step-*), newest first. A folder without a
-    valid manifest, or with a file whose size or digest differs from the manifest's, is skipped with a warning.
-    Raises LegacyCheckpointError when the run holds only single-file checkpoints (ckpt-NNNNNNNN.pt)."""
+    valid manifest, or with a file whose size or digest differs from the manifest's, is skipped with a warning."""
     folder = Path(run_dir) / "checkpoints"
     good = []
     for ckpt_dir in step_dirs(folder):
@@ -208,8 +188,6 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
             good.append(ckpt_dir)
         except CorruptCheckpointError as e:
             warnings.warn(f"skipping checkpoint: {e}", stacklevel=2)
-    if not good and legacy_files(folder):
-        raise legacy_error(folder)
     return good
 
 

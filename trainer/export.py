@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import yaml
 
-from trainer.checkpoint import (MODEL, CorruptCheckpointError, legacy_error, legacy_files, load_file, read_manifest,
+from trainer.checkpoint import (MODEL, CorruptCheckpointError, load_file, read_manifest,
                                 step_dirs, verify_files)
 from trainer.torchvision_weights import WeightsMismatchError, num_classes_of, to_torchvision, torchvision_model
 
@@ -58,8 +58,6 @@ def _listed_checkpoints(folder: Path) -> list[tuple[Path, dict[str, Any]]]:
             found.append((ckpt_dir, read_manifest(ckpt_dir)))
         except CorruptCheckpointError as e:
             warnings.warn(f"skipping checkpoint: {e}", stacklevel=3)
-    if not found and legacy_files(folder):
-        raise ExportError(str(legacy_error(folder)))
     return found
 
 

@@ -39,7 +39,7 @@ from torch import nn
 from tqdm import tqdm
 
 from trainer.checkpoint import (MODEL, SHARED, CheckpointWriter, CheckpointWriteError, CorruptCheckpointError,
-                                legacy_error, legacy_files, load_file, rank_file, read_manifest, step_dir_name,
+                                load_file, rank_file, read_manifest, step_dir_name,
                                 step_dirs, verify_files)
 from trainer.comm import CommConfig, Communicator, build_communicator
 from trainer.config import require, to_dict
@@ -361,8 +361,6 @@ class Trainer:
                 continue
             self.load_checkpoint(ckpt_dir, manifest)
             return str(ckpt_dir)
-        if legacy_files(folder):
-            raise legacy_error(folder)
         return None
 
     def load_checkpoint(self, ckpt_dir: Path, manifest: dict) -> None:
