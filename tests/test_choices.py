@@ -284,20 +284,22 @@ def test_torch_selection_sends_the_exact_top_k_in_index_order_and_keeps_the_rest
     assert torch.equal(acc + torch.zeros_like(x).index_put_((indices,), values), x)  # sent + kept = the input
 
 
-def test_a_run_applies_the_measured_selection_and_input_threads(digits_root):
+def test_a_run_applies_the_measured_selection_and_input_threads(digits_root, tmp_path):
     """`settle` on a real DALI loader of the digits (threads, no processes): input threads are measured on the
     run's own loader and model (a timer double makes 1 thread slow) and applied; the loaders made for measuring
-    are stopped; a communicator without selection adds no selection choice."""
+    are stopped; a communicator without selection adds no selection choice; a second run with a fresh model
+    reads every group from the cache."""
     from data import DataConfig, build_image_data
     task = small_task(classes=10)
     task.data = build_image_data(DataConfig(root=str(digits_root), backend="dali"), 0, 1, seed=0)
+    cache = ChoiceCache(tmp_path)
     try:
         assert task.input_candidates(1) == [1, 2] and task.input_candidates(4) == [1, 2, 4]
         step = RunStep(task, LocalCommunicator(Topology()), torch.optim.SGD(task.model.parameters(), lr=0.1), CPU)
         log: list = []
         slow = penalty(lambda c: c.get("workers") == 1 or c.get("amp") == "bf16", 1.0, log)
         decision, space = settle(None, ["off", "bf16"], [(PHASES[0], 6, 1), (PHASES[1], 2, 1)], step, Topology(),
-                                 None, rounds=1, budget=float("inf"), timer=slow, cores=2)
+                                 cache, rounds=1, budget=float("inf"), timer=slow, cores=2)
         assert decision.choice["amp"] == "off" and decision.choice["workers"] == 2 and "selection" not in decision.choice
         assert set(space) == {"amp", "channels_last", "small_map_gemm"}
         assert decision.costs_s["workers_1"] > decision.costs_s["workers_2"] and decision.source == "measured"
@@ -306,5 +308,12 @@ def test_a_run_applies_the_measured_selection_and_input_threads(digits_root):
         assert not [t for t in threading.enumerate() if t.name == "dali-source-prefetch" and t.is_alive()]
         task.use_workers(decision.choice["workers"])
         assert task.data.workers == 2 and task.loader_for(PHASES[0]).spec.threads == 2
+        again = small_task(classes=10)  # a new process: the model as built, before any choice was applied
+        again.data = task.data
+        step = RunStep(again, LocalCommunicator(Topology()), torch.optim.SGD(again.model.parameters(), lr=0.1), CPU)
+        log.clear()
+        second, _ = settle(None, ["off", "bf16"], [(PHASES[0], 6, 1), (PHASES[1], 2, 1)], step, Topology(), cache,
+                           rounds=1, budget=float("inf"), timer=slow, cores=2)
+        assert not log and second.source == "cache" and second.choice == decision.choice
     finally:
         task.data.close()

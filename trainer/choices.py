@@ -155,14 +155,15 @@ further (its cost stays its estimate so far)."""
 
 
 def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rounds: int, timer: Timer,
-            reduce: Callable[[list[float]], list[float]] = lambda costs: costs, budget: float = math.inf
-            ) -> list[float]:
+            reduce: Callable[[list[float]], list[float]] = lambda costs: costs, budget: float = math.inf,
+            budget_s: float = math.inf) -> list[float]:
     """Per candidate: the sum over probes of (the probe's steps x the median of its timed steps), in seconds;
     candidates interleaved round by round. Round 0 warms each candidate up (first-touch allocations, kernel
     selection) and is timed only to drop candidates far behind (`WARMUP_PRUNE`); then up to `rounds` measured
     rounds, after each of which candidates clearly behind are dropped (`ROUND_PRUNE`), so slow candidates cost
     little; no further round starts once the measurement's own seconds exceed `budget` x the best candidate's
-    cost (the first measured round always runs). `reduce` averages a cost list over the ranks (every rank then
+    cost, or `budget_s` (the first measured round always runs). A subject whose `apply` warms a candidate up
+    itself (`warmed_by_apply`) skips round 0. `reduce` averages a cost list over the ranks (every rank then
     drops the same candidates and stops alike). A candidate that raises (an unsupported kernel, out of memory,
     anything) is `inf`, with a warning naming it and the error, and every rank still reaches the collectives."""
     times: dict[tuple[int, int], list[float]] = {(c, p): [] for c in range(len(candidates)) for p in range(len(probes))}
@@ -170,7 +171,7 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
     active = list(range(len(candidates)))
     costs = [math.inf] * len(candidates)
     start = time.perf_counter()
-    for r in range(rounds + 1):
+    for r in range(1 if getattr(subject, "warmed_by_apply", False) else 0, rounds + 1):
         for c in active:
             choice = candidates[c]
             try:
@@ -192,7 +193,7 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
         best = min((costs[c] for c in active), default=math.inf)
         factor = WARMUP_PRUNE if r == 0 else ROUND_PRUNE
         active = [c for c in active if math.isfinite(costs[c]) and costs[c] <= factor * best]
-        if r >= 1 and spent > budget * best:
+        if r >= 1 and spent > min(budget * best, budget_s):
             break
     return costs
 
@@ -337,8 +338,8 @@ def checked_choice(choice: Choice, space: dict[str, Sequence[Any]]) -> Choice:
 
 
 def decide(space: dict[str, Sequence[Any]], probes: list[Probe], subject: Subject, topo: Topology,
-           cache: ChoiceCache | None, key: dict[str, Any], rounds: int, timer: Timer, budget: float = math.inf
-           ) -> Decision:
+           cache: ChoiceCache | None, key: dict[str, Any], rounds: int, timer: Timer, budget: float = math.inf,
+           budget_s: float = math.inf) -> Decision:
     """Collective: the combination every rank keeps. Nothing at auto: the pinned values, unmeasured. Else rank
     0's cache entry for `key` when there is one; else every rank measures, the costs are averaged over the
     ranks (all ranks then pick alike), the least is kept and rank 0 writes it to the cache."""
@@ -359,7 +360,7 @@ def decide(space: dict[str, Sequence[Any]], probes: list[Probe], subject: Subjec
     def mean_over_ranks(costs: list[float]) -> list[float]:
         return [cost / topo.world_size for cost in all_reduce_sum(costs, topo)] if topo.distributed else costs
     with subject.preserved():
-        costs = measure(candidates, probes, subject, rounds, timer, mean_over_ranks, budget)
+        costs = measure(candidates, probes, subject, rounds, timer, mean_over_ranks, budget, budget_s)
     if topo.device.type == "cuda":
         torch.cuda.empty_cache()  # the candidates' workspaces
     best = pick(costs, list(space))

@@ -137,7 +137,8 @@ class TrainConfig:
     candidate combination and phase shape at start-up, after one warm-up step each; the median counts."""
     calibration_budget: float = 0.1
     """Measured choices: no further round starts once the measurement has spent this fraction of the best
-    candidate's predicted seconds for the run (the warm-up and one measured round always run)."""
+    candidate's predicted seconds for the run, one budget for all the choices measured (each one's warm-up and
+    first measured round always run)."""
     choices_cache: str = "auto"
     """Folder of the per-machine cache of measured choices (a second identical run starts without measuring):
     auto = $XDG_CACHE_HOME/dawnbench-recipes/choices (~/.cache/... when unset); none = measure every run."""

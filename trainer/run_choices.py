@@ -10,6 +10,7 @@ import contextlib
 import copy
 import hashlib
 import itertools
+import math
 import os
 from typing import Any, Iterator
 
@@ -123,7 +124,10 @@ class InputStep:
     """The Subject of `data.workers`: a loader per candidate for the run's first phase, built once; applying a
     candidate first uses up, untimed, the batches its loader prepared while the others were measured (its queue:
     `drain` batches), so that a step - `steps` training steps of the run's model on the loader's batches,
-    fetch included - times the loader and the model running together, at the pace they keep."""
+    fetch included - times the loader and the model running together, at the pace they keep. Applying warms a
+    candidate up (its loader built, its queue drained), so no warm-up round is needed."""
+
+    warmed_by_apply = True
 
     def __init__(self, task: Any, run_step: RunStep, phase: Any, model_choice: Choice, steps: int = 4) -> None:
         self.task, self.run_step, self.phase, self.steps = task, run_step, phase, steps
@@ -175,7 +179,8 @@ def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tu
     own). In turn: precision, memory layout and convolutions, measured together on the model at every shape it
     trains and evaluates at (`phases`: (phase, training steps, evaluations)); the communicator's top-k selection
     at its selection sizes; the input threads on the run's loader at the phase with the most steps, under the
-    choices already made. A `restored` decision (a resume) keeps its numerics-changing choices, checked against
+    choices already made; the later two measure no further round once the three together have spent `budget` of
+    the run's predicted seconds (each one's first measured round always runs). A `restored` decision (a resume) keeps its numerics-changing choices, checked against
     the config; the input threads are settled afresh on every start. `timer` (default: the wall clock) and
     `cores` (default: `cores_per_rank`) are for tests."""
     task, comm = run_step.task, run_step.comm
@@ -191,21 +196,30 @@ def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tu
         probes = task.probes(phases)
         decision = decide(space, probes, run_step, topo, cache, run_key(topo, task.model, space, probes, rounds),
                           rounds, timer, budget)
-        if selection:
-            sel_space = {"selection": selection}
-            sel_probes = [Probe((n, density), count * total_steps, f"select {n} at {density:g}")
-                          for (n, density), count in sorted(comm.selection_sizes().items())]
-            decision = decision.joined(decide(sel_space, sel_probes, SelectionStep(topo.device, comm.iters), topo,
-                                              cache, run_key(topo, None, sel_space, sel_probes, rounds), rounds,
-                                              timer, budget))
+    model_choice = {k: v for k, v in decision.choice.items() if k in space}
+    run_step.apply(model_choice)  # the later groups' keys hold the model as it will train
+    # One budget for every group: a share of the run's predicted seconds (the kept combination's cost)
+    run_s = min((c for c in decision.costs_s.values() if c is not None and math.isfinite(c)), default=math.inf)
+
+    def left() -> float:
+        return max(0.0, budget * run_s - decision.seconds)
+
+    if restored is None and selection:
+        sel_space = {"selection": selection}
+        sel_probes = [Probe((n, density), count * total_steps, f"select {n} at {density:g}")
+                      for (n, density), count in sorted(comm.selection_sizes().items())]
+        decision = decision.joined(decide(sel_space, sel_probes, SelectionStep(topo.device, comm.iters), topo, cache,
+                                          run_key(topo, None, sel_space, sel_probes, rounds), rounds, timer, budget,
+                                          left()))
     workers = task.input_candidates(cores or cores_per_rank(topo))
     if workers:
         phase = max(phases, key=lambda p: p[1])[0]
-        step = InputStep(task, run_step, phase, {k: v for k, v in decision.choice.items() if k in space})
+        step = InputStep(task, run_step, phase, model_choice)
         w_space = {"workers": workers}
         # the data's settings (backend, folder, cache levels) change what a batch costs to load
         data = hashlib.sha256(repr(getattr(getattr(task, "data", None), "cfg", None)).encode()).hexdigest()[:16]
         probes = [Probe(None, total_steps / step.steps, f"train at {phase.image_size}px, loaded, data {data}")]
         decision = decision.joined(decide(w_space, probes, step, topo, cache,
-                                          run_key(topo, task.model, w_space, probes, rounds), rounds, timer, budget))
+                                          run_key(topo, task.model, w_space, probes, rounds), rounds, timer, budget,
+                                          left()))
     return decision, space
