@@ -191,11 +191,15 @@ def choice_text(choice: dict[str, Any] | None) -> str:
 
 
 def choices(r: dict[str, Any]) -> list[str]:
+    def kept(v: dict[str, Any]) -> str:  # every round's decision, when they differ
+        seen = [choice_text(c) for c in v.get("choices", [v["choice"]])]
+        return " / ".join(dict.fromkeys(seen)) + (" (per round: differ)" if len(set(seen)) > 1 else "")
     rows = [[f"{size} px", name, num(v["epoch_s"]), num(v["startup_s"]), times(v["epoch_ratio"]),
-             times(v["vs_best_pinned"]), choice_text(v["choice"])]
+             times(v["vs_best_pinned"]), kept(v)]
             for size, cell in r["cells"].items() for name, v in cell["variants"].items()]
     return [f"One epoch of the TTA recipe (2 ranks, global batch 64, evaluation at 48 px), median of {r['rounds']} "
-            "interleaved round(s); the pinned rows keep NCHW and the GEMM convolutions. The ratios are over the "
+            "interleaved round(s); the pinned rows keep NCHW and, unless they say direct convs, the GEMM "
+            "convolutions. The ratios are over the "
             "fastest pinned combination's epoch; \"with start-up\" adds the seconds the measured choices took before "
             "the clock (paid once per run, not per epoch).", "",
             *table(["size", "variant", "epoch s", "start-up s", "epoch / best pinned", "with start-up", "choice"],

@@ -15,9 +15,8 @@ from kernels.small_conv import SmallMapConv2d
 from recipes.resnet50 import main
 from tests.conftest import run_ranks
 from trainer.checkpoint import checkpoint_dirs, load_model_state
-from trainer.choices import Choice, ChoiceCache, Timer, checked_choice, decide, label, run_key, wall_timer
+from trainer.choices import Choice, ChoiceCache, Decision, Probe, Timer, checked_choice, decide, label, run_key, wall_timer
 from trainer.comm.sparse import select_payload
-from trainer.choices import Probe
 from trainer.run_choices import RunStep, SelectionStep, settle
 from trainer.classification import ClassificationTask, ClassificationTrainConfig
 from trainer.comm import LocalCommunicator
@@ -225,6 +224,13 @@ def test_a_restored_choice_the_run_no_longer_allows_is_a_config_error():
         assert checked_choice({"amp": "off"}, space) == {"amp": "off", "channels_last": False}
 
 
+def test_a_cached_decision_with_a_failed_candidate_is_recorded():
+    cached = Decision({"amp": "off"}, "cache", {"amp_off": 1.5, "amp_bf16": None}, 0.01)  # null: failed, from JSON
+    assert cached.to_dict()["costs_s"] == {"amp_off": 1.5, "amp_bf16": None}
+    assert cached.metrics()["choices/amp_off_s"] == 1.5 and "choices/amp_bf16_s" not in cached.metrics()
+    assert "amp_bf16 failed" in cached.describe()
+
+
 def test_labels_name_every_choice():
     assert label({"amp": "bf16", "channels_last": True}) == "amp_bf16-channels_last_on"
 
@@ -266,8 +272,13 @@ def test_the_selection_measured_slower_is_not_kept(slow):
     space = {"selection": ["mstopk", "torch"]}
     probes = [Probe((4096, 0.01), 20, "select 4096"), Probe((1000, 0.1), 10, "select 1000")]
     log: list = []
-    decision = decide(space, probes, SelectionStep(CPU, 20), Topology(), None, run_key(Topology(), None, space, probes, 2),
-                      2, penalty(lambda c: c["selection"] == slow, 0.05, log))
+    subject = SelectionStep(CPU, 20)
+    slow_timer = penalty(lambda c: c["selection"] == slow, 0.05, log)
+
+    def timer(step, choice):
+        assert subject.selection == choice["selection"]  # the subject runs the candidate it is timed as
+        return slow_timer(step, choice)
+    decision = decide(space, probes, subject, Topology(), None, run_key(Topology(), None, space, probes, 2), 2, timer)
     assert decision.source == "measured" and decision.choice == {"selection": {"mstopk": "torch", "torch": "mstopk"}[slow]}
     assert decision.costs_s[f"selection_{slow}"] > 20 * 0.05  # every step of the slow one carried the penalty
     assert {c["selection"] for c in log} == {"mstopk", "torch"}
@@ -297,14 +308,16 @@ def test_a_run_applies_the_measured_selection_and_input_threads(digits_root, tmp
         assert task.input_candidates(1) == [1, 2] and task.input_candidates(4) == [1, 2, 4]
         step = RunStep(task, LocalCommunicator(Topology()), torch.optim.SGD(task.model.parameters(), lr=0.1), CPU)
         log: list = []
-        slow = penalty(lambda c: c.get("workers") == 1 or c.get("amp") == "bf16", 1.0, log)
+        # GEMM convolutions kept: a key built from the model as the last candidate left it would differ next run
+        slow = penalty(lambda c: c.get("workers") == 1 or c.get("amp") == "bf16" or c.get("small_map_gemm") is False,
+                       1.0, log)
         decision, space = settle(None, ["off", "bf16"], [(PHASES[0], 6, 1), (PHASES[1], 2, 1)], step, Topology(),
                                  cache, rounds=1, budget=float("inf"), timer=slow, cores=2)
         assert decision.choice["amp"] == "off" and decision.choice["workers"] == 2 and "selection" not in decision.choice
         assert set(space) == {"amp", "channels_last", "small_map_gemm"}
         assert decision.costs_s["workers_1"] > decision.costs_s["workers_2"] and decision.source == "measured"
         tried = [c["workers"] for c in log if "workers" in c]
-        assert tried[:2] == [1, 2] and tried[-1] == 2  # interleaved warm-up; 2 threads in the measured round
+        assert tried[:2] == [1, 2] and tried[-1] == 2  # interleaved (no warm-up round: applying warms a loader)
         assert not [t for t in threading.enumerate() if t.name == "dali-source-prefetch" and t.is_alive()]
         task.use_workers(decision.choice["workers"])
         assert task.data.workers == 2 and task.loader_for(PHASES[0]).spec.threads == 2

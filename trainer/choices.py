@@ -111,7 +111,8 @@ class Decision:
     """Wall time spent deciding in this start (measuring, or reading the cache)."""
 
     def joined(self, other: Decision) -> Decision:
-        """This decision and one over other choices, as one record: measured when either was measured."""
+        """This decision and one over other choices, as one record; its source the first of checkpoint, measured,
+        cache, default, pinned that either has (a resume that measures its input threads says checkpoint)."""
         order = ("checkpoint", "measured", "cache", "default", "pinned")  # a resume's record says so
         source = min(self.source, other.source, key=order.index)
         return Decision({**self.choice, **other.choice}, source, {**self.costs_s, **other.costs_s},
@@ -120,7 +121,7 @@ class Decision:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON: a failed candidate's cost is null."""
         d = asdict(self)
-        d["costs_s"] = {k: v if math.isfinite(v) else None for k, v in self.costs_s.items()}
+        d["costs_s"] = {k: v if v is not None and math.isfinite(v) else None for k, v in self.costs_s.items()}
         return d
 
     def metrics(self) -> dict[str, float]:

@@ -16,7 +16,8 @@ from typing import Any, Iterator
 
 import torch
 
-from trainer.choices import Choice, ChoiceCache, Decision, Probe, Timer, checked_choice, decide, run_key, wall_timer
+from trainer.choices import (Choice, ChoiceCache, Decision, Probe, Timer, checked_choice, decide, label, run_key,
+                             wall_timer)
 from trainer.comm.sparse import SparseLocalWork
 from trainer.dist import Topology
 from trainer.precision import AMP_DTYPES, autocast
@@ -206,7 +207,7 @@ def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tu
 
     if restored is None and selection:
         sel_space = {"selection": selection}
-        sel_probes = [Probe((n, density), count * total_steps, f"select {n} at {density:g}")
+        sel_probes = [Probe((n, density), count * total_steps, f"select {n} at {density:g}, {comm.iters} iterations")
                       for (n, density), count in sorted(comm.selection_sizes().items())]
         decision = decision.joined(decide(sel_space, sel_probes, SelectionStep(topo.device, comm.iters), topo, cache,
                                           run_key(topo, None, sel_space, sel_probes, rounds), rounds, timer, budget,
@@ -218,7 +219,9 @@ def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tu
         w_space = {"workers": workers}
         # the data's settings (backend, folder, cache levels) change what a batch costs to load
         data = hashlib.sha256(repr(getattr(getattr(task, "data", None), "cfg", None)).encode()).hexdigest()[:16]
-        probes = [Probe(None, total_steps / step.steps, f"train at {phase.image_size}px, loaded, data {data}")]
+        batch = getattr(task, "per_rank_batch", lambda p: p.batch_size)(phase)
+        probes = [Probe(None, total_steps / step.steps, f"train {batch}x{phase.image_size}px, loaded, data {data}, "
+                                                          f"under {label(model_choice)}")]
         decision = decision.joined(decide(w_space, probes, step, topo, cache,
                                           run_key(topo, task.model, w_space, probes, rounds), rounds, timer, budget,
                                           left()))

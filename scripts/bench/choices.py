@@ -39,6 +39,9 @@ CONFIG = "configs/tta_recipe_cpu.yaml"
 DATA = Path("datasets/tta_photos")  # written by scripts/make_tta_photos.py if missing
 PINNED = [(amp, kind) for amp in ("off", "bf16") for kind in ("dense", "hitopk")]
 BEFORE = ["train.channels_last=false", "model.small_map_gemm=true"]  # what the config pinned before
+DIRECT = [(f"amp {amp}, direct convs, dense", [f"train.amp={amp}", "comm.kind=dense", "train.channels_last=false",
+                                               "model.small_map_gemm=false"]) for amp in ("off", "bf16")]
+"""Pinned with oneDNN's convolutions on tiny maps too: the combinations the measurement may keep."""
 
 
 def run(out: Path, overrides: Sequence[str], size: int, data_cache: Path) -> dict[str, Any]:
@@ -65,6 +68,7 @@ def read(out: Path) -> dict[str, Any]:
 
 def variants(round_index: int, cache: Path) -> list[tuple[str, list[str]]]:
     pinned = [(f"amp {amp}, {kind}", [f"train.amp={amp}", f"comm.kind={kind}", *BEFORE]) for amp, kind in PINNED]
+    pinned += DIRECT
     k = round_index % len(pinned)
     auto = [("auto, measuring", [f"train.choices_cache={cache}"]), ("auto, cached", [f"train.choices_cache={cache}"])]
     order = pinned[k:] + pinned[:k]
@@ -113,7 +117,8 @@ def folder_name(size: int, round_index: int, name: str) -> str:
 
 def from_runs(out: Path) -> dict[str, Any]:
     """The cells of an earlier run's folders under `out` (each folder's metrics.jsonl and env.json)."""
-    names = ["auto, measuring", "auto, cached", *(f"amp {amp}, {kind}" for amp, kind in PINNED)]
+    names = ["auto, measuring", "auto, cached", *(f"amp {amp}, {kind}" for amp, kind in PINNED),
+             *(name for name, _ in DIRECT)]
     cells: dict[str, Any] = {}
     for size in sorted({int(p.name.split("px-")[0]) for p in out.glob("*px-r*")}):
         runs: dict[str, list[dict[str, Any]]] = {}
@@ -149,6 +154,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         startup = statistics.median(r["startup_s"] for r in results)
         out[name] = {"epoch_s": round(epoch, 2), "startup_s": round(startup, 2), "total_s": round(epoch + startup, 2),
                      "epochs_s": [r["epoch_s"] for r in results], "choice": results[-1]["choice"],
+                     "choices": [r["choice"] for r in results], "plans": [r["comm_auto"] for r in results],
                      "sources": [r["source"] for r in results], "top1": [r["top1"] for r in results]}
     best_name = min((n for n in out if not n.startswith("auto")), key=lambda n: out[n]["epoch_s"])
     best = out[best_name]["epoch_s"]

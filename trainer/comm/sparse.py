@@ -85,7 +85,7 @@ def top_pairs(acc: torch.Tensor, k: int, iters: int, selection: str = "mstopk") 
 
 def select_payload(acc: torch.Tensor, k: int, iters: int, selection: str = "mstopk") -> torch.Tensor:
     """The k (value, index) pairs of `acc` chosen by `selection`, packed; the picked elements of `acc` are
-    cleared, so it holds the unsent remainder. Raises ValueError (mstopk's) on non-finite values."""
+    cleared, so it holds the unsent remainder. mstopk raises ValueError on non-finite values; torch sends them."""
     values, indices = top_pairs(acc, k, iters, selection)
     payload = pack(values, indices)  # before the fill below: values may be a view of acc
     acc.index_fill_(0, indices, 0.0)
@@ -144,7 +144,9 @@ class TopKCommunicator(ExchangeCommunicator):
         return size, self.k_of(size)
 
     def selection_candidates(self) -> list[str]:
-        return list(SELECTIONS) if self.measure_selection and self.selection_sizes() else [self.selection]
+        if not self.selection_sizes():  # nothing is selected here (hitopk on one node): no choice to keep
+            return []
+        return list(SELECTIONS) if self.measure_selection else [self.selection]
 
     def selection_sizes(self) -> dict[tuple[int, float], int]:
         """(elements, density) of every selection a step makes -> how many a step makes: one per sparse bucket
