@@ -616,7 +616,7 @@ class Trainer:
                    sum(1 for e in range(p.start_epoch, p.end_epoch)
                        if e == last or (e + 1) % self.train_cfg.eval_every_epochs == 0)) for p in self.phases]
         folder = cache_folder(self.train_cfg.choices_cache)
-        self.decision, space = settle(
+        self.decision, _ = settle(
             self.decision, self.amp_candidates, phases,
             RunStep(self.task, self.comm, self.optimizer, self.topo.device, self.measuring_exchange()),
             self.topo, ChoiceCache(folder) if folder else None, self.train_cfg.calibration_rounds,
@@ -624,7 +624,6 @@ class Trainer:
         choice = self.decision.choice
         self.amp_dtype = AMP_DTYPES[choice["amp"]]
         self.scaler = build_grad_scaler(self.train_cfg.loss_scale, self.amp_dtype, self.topo.device)
-        self.task.apply_choices({k: v for k, v in choice.items() if k in space and k != "amp"})
         if "selection" in choice:
             self.comm.use_selection(choice["selection"])
         if "workers" in choice:

@@ -122,18 +122,17 @@ class SelectionStep:
 
 
 class InputStep:
-    """The Subject of `data.workers`: a loader per candidate for the run's first phase, built once; applying a
+    """The Subject of `data.workers`: a loader per candidate for `phase`, built once; applying a
     candidate first uses up, untimed, the batches its loader prepared while the others were measured (its queue:
     `drain` batches), so that a step - `steps` training steps of the run's model on the loader's batches,
-    fetch included - times the loader and the model running together, at the pace they keep. Applying warms a
-    candidate up (its loader built, its queue drained), so no warm-up round is needed."""
+    fetch included - times the loader and the model running together, at the pace they keep, under the choices
+    `run_step` has applied. Applying warms a candidate up (its loader built, its queue drained), so no warm-up
+    round is needed."""
 
     warmed_by_apply = True
 
-    def __init__(self, task: Any, run_step: RunStep, phase: Any, model_choice: Choice, steps: int = 4) -> None:
+    def __init__(self, task: Any, run_step: RunStep, phase: Any, steps: int = 4) -> None:
         self.task, self.run_step, self.phase, self.steps = task, run_step, phase, steps
-        self.model_choice = model_choice
-        """The run's precision, layout and convolutions, under which the model's steps run."""
         self.batches: dict[int, Iterator[Any]] = {}
         self.current: Iterator[Any] = iter(())
 
@@ -159,7 +158,6 @@ class InputStep:
     def preserved(self) -> Iterator[None]:
         try:
             with self.run_step.preserved():
-                self.run_step.apply(self.model_choice)
                 yield
         finally:
             for batches in self.batches.values():
@@ -181,9 +179,10 @@ def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tu
     trains and evaluates at (`phases`: (phase, training steps, evaluations)); the communicator's top-k selection
     at its selection sizes; the input threads on the run's loader at the phase with the most steps, under the
     choices already made; the later two measure no further round once the three together have spent `budget` of
-    the run's predicted seconds (each one's first measured round always runs). A `restored` decision (a resume) keeps its numerics-changing choices, checked against
-    the config; the input threads are settled afresh on every start. `timer` (default: the wall clock) and
-    `cores` (default: `cores_per_rank`) are for tests."""
+    the run's predicted seconds (each one's first measured round always runs). The model's choices are left
+    applied to the task. A `restored` decision (a resume) keeps its numerics-changing choices, checked against the
+    config; the input threads are settled afresh on every start. `timer` (default: the wall clock) and `cores`
+    (default: `cores_per_rank`) are for tests."""
     task, comm = run_step.task, run_step.comm
     space = {"amp": amp_candidates, **task.choice_space()}
     selection = comm.selection_candidates()
@@ -198,7 +197,7 @@ def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tu
         decision = decide(space, probes, run_step, topo, cache, run_key(topo, task.model, space, probes, rounds),
                           rounds, timer, budget)
     model_choice = {k: v for k, v in decision.choice.items() if k in space}
-    run_step.apply(model_choice)  # the later groups' keys hold the model as it will train
+    run_step.apply(model_choice)  # the task trains with it; the later groups measure and key the model under it
     # One budget for every group: a share of the run's predicted seconds (the kept combination's cost)
     run_s = min((c for c in decision.costs_s.values() if c is not None and math.isfinite(c)), default=math.inf)
 
@@ -215,7 +214,7 @@ def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tu
     workers = task.input_candidates(cores or cores_per_rank(topo))
     if workers:
         phase = max(phases, key=lambda p: p[1])[0]
-        step = InputStep(task, run_step, phase, model_choice)
+        step = InputStep(task, run_step, phase)
         w_space = {"workers": workers}
         # the data's settings (backend, folder, cache levels) change what a batch costs to load
         data = hashlib.sha256(repr(getattr(getattr(task, "data", None), "cfg", None)).encode()).hexdigest()[:16]
