@@ -18,6 +18,7 @@ from torch import nn
 from tests.conftest import run_ranks
 from trainer.comm import AutoCommunicator, CommConfig, build_communicator
 from trainer.comm.auto import build_network
+from trainer.comm.base import Bucket
 from trainer.comm.cost import (DENSE, Choice, Collective, Layout, Link, allgather_s, reduce_scatter_s, ring_allreduce_s,
                                sent_bytes)
 from trainer.dist import DistConfig, Group, Topology, setup_distributed
@@ -213,9 +214,10 @@ class EmulatedAuto(AutoCommunicator):
         self.emulation = emulation
         super().__init__(cfg, model, slow_topology(topo, emulation))
 
-    def sparse_exchange(self, *args: Any) -> torch.Tensor:
-        out = super().sparse_exchange(*args)
-        time.sleep(self.emulation.select_s)
+    def execute(self, bucket: Bucket, choice: Choice, exact: bool) -> torch.Tensor:
+        out = super().execute(bucket, choice, exact)
+        if choice.sparse:
+            time.sleep(self.emulation.select_s)
         return out
 
     def _probe_local_work(self) -> tuple[list[tuple[float, float]], tuple[float, float]]:

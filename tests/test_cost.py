@@ -1,6 +1,6 @@
-"""The cost model's formulas (trainer/comm/cost.py) on hand-computed cases: collective times, the exchanges'
-collectives, the bytes they send (the communicators' byte metrics), the exposed time, the link fit and the
-plan `choose` finds."""
+"""The cost model's formulas (trainer/comm/cost.py, its links in trainer/comm/links.py) on hand-computed
+cases: collective times, the exchanges' collectives, the bytes they send (the communicators' byte metrics),
+the exposed time, the link fit, the network fitted to probes and the plan `choose` finds."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from trainer.comm.cost import (DENSE, Choice, Collective, Layout, Link, Network, Selection, allgather_s, candidates,
-                               choose, describe, exchange_bytes, exposed_s, fit_link, hierarchical_allreduce_s, k_of,
-                               reduce_scatter_s, ring_allreduce_s, sent_bytes)
+from trainer.comm.cost import (DENSE, PROBES, Choice, Collective, Layout, Link, Network, Selection, allgather_s,
+                               build_network, candidates, choose, describe, exchange_bytes, exposed_s, fit_link,
+                               hierarchical_allreduce_s, k_of, reduce_scatter_s, ring_allreduce_s, sent_bytes)
 
 pytestmark = pytest.mark.unit
 
@@ -121,6 +121,23 @@ def test_fit_link_recovers_alpha_and_bandwidth():
 def test_fit_link_survives_a_larger_probe_measured_faster():
     noisy = fit_link([(1e4, 0.02), (1e6, 0.01)], 6, 1.5)  # noise hid the growth with size
     assert noisy.alpha_s == 0 and math.isclose(noisy.bytes_per_s, 1.5e6 / 0.01)
+
+
+def test_build_network_gives_back_the_links_that_timed_its_probes():
+    lay, per = Layout(2, 2), 2
+    world, wire16, inter, intra = Link(3e-5, 2e9), Link(1e-5, 4e9), Link(8e-5, 3e8), Link(2e-6, 8e9)
+    probes = {"world": [(b, ring_allreduce_s(b, 4, world)) for b in (2.0**15, 2.0**19)],
+              "world16": [(b, ring_allreduce_s(b, 4, wire16)) for b in (2.0**15, 2.0**19)],
+              "inter": [(b, allgather_s(b, 2, inter, sharing=per)) for b in (2.0**13, 2.0**17)],
+              "intra_gather": [(b, allgather_s(b, per, intra)) for b in (2.0**15, 2.0**19)],
+              "intra_scatter": [(b, reduce_scatter_s(b, per, intra)) for b in (2.0**16, 2.0**20)]}
+    assert set(probes) <= set(PROBES)
+    net = build_network(lay, probes, [(1e6, 0.011), (2e6, 0.021)])
+    for name, link in {"world": world, "inter": inter, "intra": intra}.items():
+        assert net.links[name].alpha_s == pytest.approx(link.alpha_s, rel=1e-6), name
+        assert net.links[name].bytes_per_s == pytest.approx(link.bytes_per_s, rel=1e-6), name
+    assert net.links["world16"] == net.links["world"]  # a 16-bit wire is never faster per byte than fp32's
+    assert net.selection.fixed_s == pytest.approx(1e-3) and net.selection.per_element_s == pytest.approx(1e-8)
 
 
 def test_a_bucket_that_hides_behind_backward_stays_dense_and_the_safe_density_bounds_the_choice():

@@ -14,13 +14,14 @@ from kernels import build_adam
 from tests.conftest import run_ranks
 from tests.test_comm import BUCKET_MB, Params, flat_in_bucket_order, grads_of, layout, residual_total
 from trainer.comm import CommConfig, build_communicator
-from trainer.comm import base as comm_base
+from trainer.comm.execute import PlanExecutor
 from trainer.comm.sparse import scatter_payloads
 from trainer.config import ConfigError
 from trainer.dist import (DistConfig, ReplicaDivergenceError, ReplicaGuard, Topology, TorchGroup, setup_distributed,
                           weights_checksum)
-from trainer.loop import Components, LoopConfig, TrainConfig, Trainer
+from trainer.loop import Trainer
 from trainer.metrics import LogConfig
+from trainer.train_config import Components, LoopConfig, TrainConfig
 
 pytestmark = pytest.mark.unit
 
@@ -224,7 +225,7 @@ def test_the_exchange_thread_is_bound_to_its_ranks_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append((threading.current_thread().name, d)))
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: object())
     topo = Topology(rank=3, world_size=4, local_rank=3, ranks_per_node=4, device=torch.device("cuda", 3))
-    comm = comm_base.ExchangeCommunicator(nn.Linear(4, 4), topo, bucket_mb=1.0)
+    comm = PlanExecutor(CommConfig(bucket_mb=1.0), nn.Linear(4, 4), topo, "dense", replans=True)
     try:
         comm._thread.submit(lambda: None).result()
     finally:

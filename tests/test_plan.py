@@ -1,5 +1,6 @@
-"""The planner over the package's cost model: recipe configs (ResNet phases, the Transformer's real model),
-time to target and cost, auto's choice, the emulated-cluster model, a run's own calibration, and its errors.
+"""The planner over the package's cost model (trainer/comm/planner.py, trainer/comm/emulated.py): recipe
+configs (ResNet phases, the Transformer's real model), time to target and cost, auto's choice, the
+emulated-cluster model, a run's own calibration, and its errors; its command line (scripts/plan.py, `main`).
 The cost formulas themselves are tested in tests/test_cost.py."""
 
 from __future__ import annotations
@@ -9,24 +10,29 @@ import math
 
 import pytest
 
+from recipes.resnet50 import Config as ResNetConfig
 from scripts import plan
-from scripts.plan import ModelSpec, PlanError, Strategy
+from trainer.comm import emulated, planner
 from trainer.comm.cost import DENSE, Choice, Link, allgather_s, describe, exposed_s, ring_allreduce_s
+from trainer.comm.planner import ModelSpec, PlanError, Strategy
+from trainer.config import load_config
 
 pytestmark = pytest.mark.unit
 
 
 def test_step_is_compute_plus_the_exposed_exchange():
-    net = plan.gpu_network(2, 4, inter_gbit=1.0, intra_gbyte=100.0, efficiency=1.0)
+    net = planner.gpu_network(2, 4, inter_gbit=1.0, intra_gbyte=100.0, efficiency=1.0)
     spec = ModelSpec("m", [10_000_000, 10_000_000], [0.5, 1.0])
     plan_ = [DENSE, DENSE]
     chain = net.chain_s(describe(10_000_000, DENSE, net.layout))
     # forward 1 s, backward 2 s: the first bucket is ready 1 s before backward ends, the second at its end
-    assert plan.step_seconds(1.0, 2.0, spec, plan_, net) == pytest.approx(3.0 + exposed_s([1.0, 0.0], [chain, chain]))
-    assert plan.step_seconds(1.0, 2.0, spec, plan_, plan.gpu_network(1, 1, 1.0, 100.0, 1.0)) == 3.0
+    expected = 3.0 + exposed_s([1.0, 0.0], [chain, chain])
+    assert planner.step_seconds(1.0, 2.0, spec, plan_, net) == pytest.approx(expected)
+    assert planner.step_seconds(1.0, 2.0, spec, plan_, planner.gpu_network(1, 1, 1.0, 100.0, 1.0)) == 3.0
     # a pinned kind leaves buckets under dense_below dense
-    assert plan.fixed_plan(Choice("hitopk", 0.01), [100, 20_000], 16384) == [DENSE, Choice("hitopk", 0.01)]
-    assert plan.fixed_plan(Choice("dense16"), [100], 16384) == [Choice("dense16")]
+    assert Strategy(Choice("hitopk", 0.01)).plan(ModelSpec("m", [100, 20_000]), 1.0, net) == [
+        DENSE, Choice("hitopk", 0.01)]
+    assert Strategy(Choice("dense16")).plan(ModelSpec("m", [100]), 1.0, net) == [Choice("dense16")]
 
 
 # ---------------------------------------------------------------- the emulated cluster
@@ -38,21 +44,21 @@ def _synthetic_run(link: Link, cpu_per_element: float) -> dict:
         return [[n, wall(n), cpu_per_element * n] for n in sizes]
 
     w = 4
-    prim = {"allreduce": points(lambda n: ring_allreduce_s(4 * n, w, link)),
-            "allreduce_fp16": points(lambda n: ring_allreduce_s(2 * n, w, link)),
-            "allgather": points(lambda n: allgather_s(4 * n, w, link))}
+    prim = {"world": points(lambda n: ring_allreduce_s(4 * n, w, link)),
+            "world16": points(lambda n: ring_allreduce_s(2 * n, w, link)),
+            "world_gather": points(lambda n: allgather_s(4 * n, w, link))}
     for name in ("dense_local", "fp16_cast", "sparse_local"):
         prim[name] = points(lambda n: 0.0)
     compute = {"step_s": 3.0, "fwd_s": 1.0, "bwd_s": 2.0, "cpu_s": 1.5, "fwd_cpu_s": 0.5, "bwd_cpu_s": 1.0}
     return {"nodes": 4, "ranks_per_node": 1, "rate": "1gbit", "primitives": prim,
             "models": {"m": {"buckets": [10_000_000], "bucket_ready": [1.0],
                              "exchanges": {"compute only": compute, "dense": {"step_s": 3.6, "cpu_s": 1.5},
-                                           "dense fp16": {"step_s": 3.3, "cpu_s": 1.5}}}}}
+                                           "dense16": {"step_s": 3.3, "cpu_s": 1.5}}}}}
 
 
 def test_emulated_step_hand_computed():
     run = _synthetic_run(Link(0.0, 1e8), cpu_per_element=0.0)
-    cluster = plan.EmulatedCluster.from_run(run, cores=2)
+    cluster = emulated.EmulatedCluster.from_run(run, cores=2)
     spec = ModelSpec("m", [10_000_000], [1.0])
     compute = run["models"]["m"]["exchanges"]["compute only"]
     dense = [DENSE]
@@ -61,13 +67,13 @@ def test_emulated_step_hand_computed():
     # 1e-8 CPU s per element in each piece: a dense bucket costs 0.1 s gathering/writing back and 0.1 s in
     # the allreduce. The compute runs at 2 wall s per CPU s (3 s for 1.5 CPU s), so the write-back after
     # the chain takes 0.2 s: network bound 3.6 + 0.2; the CPU bound, 3 + (4 ranks / 2 cores) x 0.2 = 3.4
-    busy = plan.EmulatedCluster.from_run(_synthetic_run(Link(0.0, 1e8), cpu_per_element=1e-8), cores=2)
+    busy = emulated.EmulatedCluster.from_run(_synthetic_run(Link(0.0, 1e8), cpu_per_element=1e-8), cores=2)
     assert busy.step_s(compute, spec, dense) == pytest.approx(3.6 + 0.2)
     # ten times the CPU work: the CPU bound, 3 + 2 x 2.0 = 7.0, beats the network bound, 3.6 + 2.0
-    busier = plan.EmulatedCluster.from_run(_synthetic_run(Link(0.0, 1e8), cpu_per_element=1e-7), cores=2)
+    busier = emulated.EmulatedCluster.from_run(_synthetic_run(Link(0.0, 1e8), cpu_per_element=1e-7), cores=2)
     assert busier.step_s(compute, spec, dense) == pytest.approx(7.0)
     # on 4 cores the 4 ranks do not share: 3 + 2.0 = 5.0 < 5.6
-    roomy = plan.EmulatedCluster.from_run(_synthetic_run(Link(0.0, 1e8), cpu_per_element=1e-7), cores=4)
+    roomy = emulated.EmulatedCluster.from_run(_synthetic_run(Link(0.0, 1e8), cpu_per_element=1e-7), cores=4)
     assert roomy.step_s(compute, spec, dense) == pytest.approx(5.6)
     # calibrated: the exchange measured at 1.0 CPU s per step instead of the pieces' 0.2: 3 + 2 x 1.0
     assert busy.step_s(compute, spec, dense, exchange_cpu_s=1.0) == pytest.approx(5.0)
@@ -76,65 +82,76 @@ def test_emulated_step_hand_computed():
 def test_compare_with_measurements_reports_each_cell():
     cal = {"version": 1, "density": 0.01, "dense_below": 16384, "bucket_mb": 25.0,
            "runs": [_synthetic_run(Link(0.0, 1e8), 0.0)]}
-    rows = {r["exchange"]: r for r in plan.compare_with_measurements(cal)}
-    assert set(rows) == {"dense", "dense fp16"}  # the bench's names; "dense fp16" is the cost model's dense16
+    rows = {r["exchange"]: r for r in emulated.compare_with_measurements(cal)}
+    assert set(rows) == {"dense", "dense16"}  # the fixed exchanges, by the cost model's names
     assert rows["dense"]["error"] == pytest.approx(0.0) and rows["dense"]["exchange_cpu_s"] == 0.0
-    assert rows["dense fp16"]["predicted_s"] == pytest.approx(3.3)  # half the bytes of dense on the same link
+    assert rows["dense16"]["predicted_s"] == pytest.approx(3.3)  # half the bytes of dense on the same link
+
+
+def test_a_calibration_with_the_older_names_loads_under_the_cost_models(tmp_path):
+    run = _synthetic_run(Link(0.0, 1e8), 0.0)
+    run["primitives"] = {{"world": "allreduce", "world16": "allreduce_fp16", "world_gather": "allgather"}.get(k, k): v
+                         for k, v in run["primitives"].items()}
+    run["models"]["m"]["exchanges"]["dense fp16"] = run["models"]["m"]["exchanges"].pop("dense16")
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"version": 1, "density": 0.01, "dense_below": 16384, "runs": [run]}))
+    rows = {r["exchange"]: r for r in emulated.compare_with_measurements(emulated.load_calibration(path))}
+    assert rows["dense16"]["predicted_s"] == pytest.approx(3.3)
 
 
 def test_calibration_errors_name_the_file_and_the_fix(tmp_path):
     with pytest.raises(PlanError, match="file not found.*scaling.py"):
-        plan.load_calibration(tmp_path / "missing.json")
+        emulated.load_calibration(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(PlanError, match="not valid JSON"):
-        plan.load_calibration(bad)
+        emulated.load_calibration(bad)
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"bench": "comm"}))
     with pytest.raises(PlanError, match="not a scaling.py calibration"):
-        plan.load_calibration(other)
+        emulated.load_calibration(other)
     with pytest.raises(PlanError, match="two sizes"):
-        plan.fit_cpu([[1.0, 1.0, 1.0]])
+        emulated.fit_cpu([[1.0, 1.0, 1.0]])
 
 
 # ---------------------------------------------------------------- recipe config
 
 
 def test_phases_from_the_dawnbench_config():
-    cfg = plan.load_recipe_config("configs/resnet50_dawnbench.yaml", [])
-    phases = plan.phases_from_config(cfg, world=128)
+    cfg = load_config(ResNetConfig, "configs/resnet50_dawnbench.yaml", [])
+    phases = planner.phases_from_config(cfg, world=128)
     assert [(p.image_size, p.epochs, p.batch_size) for p in phases] == [
         (96, 13, 32768), (128, 11, 32768), (224, 3, 32768), (288, 1, 16384)]  # the entry: 16k in the last epoch only
     assert phases[0].steps_per_epoch == 1_281_167 // 32768  # drop_last, as the loaders
     # 256 images per GPU at 96 px: (96/224)^2 / 1200 img/s each
     assert phases[0].compute_s == pytest.approx(256 * (96 / 224) ** 2 / 1200)
     assert phases[3].val_image_size == 288
-    measured = plan.phases_from_config(cfg, world=128, compute_s_per_image={96: 0.2e-3})
+    measured = planner.phases_from_config(cfg, world=128, compute_s_per_image={96: 0.2e-3})
     assert measured[0].compute_s == pytest.approx(256 * 0.2e-3)
 
 
 def test_predict_run_counts_every_step_and_the_warmup():
-    cfg = plan.load_recipe_config("configs/resnet50_dawnbench.yaml", [])
-    net = plan.gpu_network(16, 8, inter_gbit=25.0, intra_gbyte=100.0, efficiency=0.95)
+    cfg = load_config(ResNetConfig, "configs/resnet50_dawnbench.yaml", [])
+    net = planner.gpu_network(16, 8, inter_gbit=25.0, intra_gbyte=100.0, efficiency=0.95)
     spec = ModelSpec("resnet50", [6_500_000, 6_500_000, 6_500_000, 6_057_032])
-    phases = plan.phases_from_config(cfg, net.layout.world)
-    dense = plan.predict_run(phases, spec, Strategy(DENSE), net, price=10.0, eval_every=1)
+    phases = planner.phases_from_config(cfg, net.layout.world)
+    dense = planner.predict_run(phases, spec, Strategy(DENSE), net, price=10.0, eval_every=1)
     assert dense.train_s == pytest.approx(sum(p.epochs * p.steps_per_epoch * s
                                               for p, s in zip(phases, dense.step_s)))
     assert dense.cost_usd == pytest.approx(dense.total_s / 3600 * 16 * 10.0)
-    hitopk = plan.predict_run(phases, spec, Strategy(Choice("hitopk", 0.01)), net, 10.0, warmup_steps=40)
-    no_warmup = plan.predict_run(phases, spec, Strategy(Choice("hitopk", 0.01)), net, 10.0, warmup_steps=0)
+    hitopk = planner.predict_run(phases, spec, Strategy(Choice("hitopk", 0.01)), net, 10.0, warmup_steps=40)
+    no_warmup = planner.predict_run(phases, spec, Strategy(Choice("hitopk", 0.01)), net, 10.0, warmup_steps=0)
     assert hitopk.train_s == pytest.approx(no_warmup.train_s + 40 * (dense.step_s[0] - no_warmup.step_s[0]))
     assert hitopk.total_s < dense.total_s  # 25 Gbit/s between 128 V100s: the sparse exchange wins
 
 
 def test_recommend_prefers_the_densest_within_slack():
     def pred(kind, density, total):
-        return plan.Prediction(Strategy(Choice(kind, density) if kind != "auto" else None), [], total, 0.0, 0.0)
+        return planner.Prediction(Strategy(Choice(kind, density) if kind != "auto" else None), [], total, 0.0, 0.0)
 
     preds = [pred("dense", 1.0, 200.0), pred("hitopk", 0.001, 100.0), pred("hitopk", 0.01, 102.0),
              pred("hitopk", 0.05, 110.0), pred("auto", 1.0, 90.0)]
-    assert plan.recommend(preds).strategy == Strategy(Choice("hitopk", 0.01))  # a fixed kind: auto is shown apart
+    assert planner.recommend(preds).strategy == Strategy(Choice("hitopk", 0.01))  # a fixed kind: auto is shown apart
 
 
 # ---------------------------------------------------------------- bad input

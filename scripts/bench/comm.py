@@ -35,7 +35,7 @@ from trainer.dist import DistConfig, setup_distributed
 from trainer.testing import run_ranks
 
 WORLD, PER_NODE, ARCH = 4, 2, "resnet18"
-KINDS: dict[str, dict[str, Any] | None] = {  # name -> comm config overrides (None = compute only)
+CONTENDERS: dict[str, dict[str, Any] | None] = {  # name -> comm config overrides (None = compute only)
     "compute only": None,
     "dense": {"kind": "dense"},
     "dense fp16": {"kind": "dense", "compression": "fp16"},
@@ -50,16 +50,16 @@ def _rank(rank: int, world: int, warmup: int, batches: list[list[tuple[torch.Ten
     """One rank (of trainer.testing.run_ranks, 1 thread each): every kind's median step and mean stats."""
     topo = setup_distributed(DistConfig(ranks_per_node=PER_NODE, timeout_s=600))
     runs = {}
-    for name, overrides in KINDS.items():
+    for name, overrides in CONTENDERS.items():
         torch.manual_seed(0)  # every kind starts from the same weights on every rank
         model = getattr(torchvision.models, ARCH)(num_classes=classes)
         comm = None
         if overrides is not None:
             comm = build_communicator(CommConfig(**overrides, density=density, bucket_mb=25.0), model, topo)
         runs[name] = (model, comm, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-    times: dict[str, list[float]] = {name: [] for name in KINDS}
-    stats: dict[str, list[dict[str, float]]] = {name: [] for name in KINDS}
-    names = list(KINDS)
+    times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    stats: dict[str, list[dict[str, float]]] = {name: [] for name in CONTENDERS}
+    names = list(CONTENDERS)
     for step, (images, labels) in enumerate(batches[rank]):
         for name in names[step % len(names):] + names[:step % len(names)]:
             model, comm, optimizer = runs[name]
@@ -74,7 +74,7 @@ def _rank(rank: int, world: int, warmup: int, batches: list[list[tuple[torch.Ten
                 times[name].append(elapsed)
                 stats[name].append(step_stats)
     out = {}
-    for name in KINDS:
+    for name in CONTENDERS:
         slowest = torch.tensor([statistics.median(times[name])])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
         numeric = {k for s in stats[name] for k, v in s.items() if isinstance(v, (int, float))}
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--density", type=float, default=0.01, help="topk/hitopk density (default 0.01)")
     args = parse_args(parser, argv)
     steps, batch, size = (2, 4, 32) if args.quick else (5, 8, 64)
-    warmup = KINDS["auto"]["calibration_steps"] + 2 if "auto" in KINDS else 2
+    warmup = CONTENDERS["auto"]["calibration_steps"] + 2 if "auto" in CONTENDERS else 2
     per_rank, classes = real_image_batches(WORLD * (warmup + steps), batch, size, quick=args.quick)
     batches = [per_rank[r::WORLD] for r in range(WORLD)]
     with tempfile.TemporaryDirectory() as tmp:

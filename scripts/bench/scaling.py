@@ -46,13 +46,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from scripts.bench.comm import KINDS as COMM_KINDS
 from scripts.bench.common import bench_parser, emit_result, print_table, record_run
+from trainer.comm.plan import KINDS as FIXED
+from trainer.comm.emulated import renamed
 
-KINDS = {**COMM_KINDS, "auto": {"kind": "auto", "compression": "fp16"}}
-"""The comm bench's exchanges (compute only, dense, dense fp16, topk, hitopk), and `comm.kind: auto` with its
-default calibration and trials, choosing among the same four (its 16-bit wire: fp16, as "dense fp16")."""
-FIXED = ("dense", "dense fp16", "topk", "hitopk")
+EXCHANGES: dict[str, dict[str, Any] | None] = {
+    "compute only": None,
+    **{kind: {"kind": "dense", "compression": "fp16"} if kind == "dense16" else {"kind": kind} for kind in FIXED},
+    "auto": {"kind": "auto", "compression": "fp16"}}
+"""What each cell measures -> its comm config overrides: the step without exchange (compute only), the fixed
+exchanges by the kinds of trainer/comm/plan.py (`KINDS`, the cost model's; dense16 is dense on an fp16 wire),
+and `comm.kind: auto` with its default calibration and trials, choosing among the same four (its 16-bit wire:
+fp16)."""
 
 if TYPE_CHECKING:
     import torch
@@ -139,7 +144,7 @@ def _timed(fn: Callable[[], object], reps: int) -> tuple[float, float]:
     """(wall, CPU) seconds of fn: medians over reps after one warm-up, the slowest rank's per repeat.
 
     Wall time depends on everything else running on the machine; CPU seconds mostly do not, which is
-    why the planner takes both (see scripts/plan.py: EmulatedCluster)."""
+    why the planner takes both (see trainer/comm/emulated.py: EmulatedCluster)."""
     import torch.distributed as dist
 
     fn()
@@ -155,9 +160,10 @@ def _timed(fn: Callable[[], object], reps: int) -> tuple[float, float]:
 def measure_primitives(topo: Topology, density: float, reps: int) -> dict[str, list[list[float]]]:
     """Each piece of an exchange, alone, at two sizes: {name: [[elements, wall s, CPU s], ...]}.
 
-    Collectives take the size their formula in trainer/comm/cost.py takes (the full buffer for allreduce and
-    reduce-scatter, one rank's payload for allgather). The local pieces are what trainer/comm does around
-    the collectives of one bucket: dense_local (gather the gradients into the bucket, average, write
+    Collectives are named by the link they probe (`cost.PROBES`: world, world16, world_gather, inter,
+    intra_scatter, intra_gather) and take the size their formula in trainer/comm/cost.py takes (the full buffer
+    for allreduce and reduce-scatter, one rank's payload for allgather). The local pieces are what trainer/comm
+    does around the collectives of one bucket: dense_local (gather the gradients into the bucket, average, write
     back), fp16_cast (to and from the wire dtype), sparse_local (add the residual, MSTopK, pack, clear
     the sent elements, scatter-add the gathered payloads, average).
     """
@@ -170,17 +176,17 @@ def measure_primitives(topo: Topology, density: float, reps: int) -> dict[str, l
         out[name] = [[float(n), *_timed(make(n), reps)] for n in sizes]
 
     world, intra, inter = topo.world, topo.intra_node, topo.inter_node
-    add("allreduce", (2**18, 2**21), lambda n: (lambda t=torch.ones(n): world.all_reduce_(t, "allreduce")))
-    add("allreduce_fp16", (2**18, 2**21),
+    add("world", (2**18, 2**21), lambda n: (lambda t=torch.ones(n): world.all_reduce_(t, "allreduce")))
+    add("world16", (2**18, 2**21),
         lambda n: (lambda t=torch.ones(n, dtype=torch.float16): world.all_reduce_(t, "allreduce")))
-    add("allgather", (2**15, 2**18), lambda n: (lambda t=torch.ones(n): world.all_gather(t, "allgather")))
+    add("world_gather", (2**15, 2**18), lambda n: (lambda t=torch.ones(n): world.all_gather(t, "allgather")))
     if topo.ranks_per_node > 1:
         if topo.num_nodes > 1:
-            add("allgather_inter", (2**15, 2**18),
+            add("inter", (2**15, 2**18),
                 lambda n: (lambda t=torch.ones(n): inter.all_gather(t, "allgather")))
-        add("reduce_scatter_intra", (2**20, 2**23),
+        add("intra_scatter", (2**20, 2**23),
             lambda n: (lambda t=torch.ones(n): intra.reduce_scatter(t, "reduce-scatter")))
-        add("allgather_intra", (2**19, 2**22),
+        add("intra_gather", (2**19, 2**22),
             lambda n: (lambda t=torch.ones(n): intra.all_gather(t, "allgather")))
 
     def dense_local(n: int) -> Callable[[], None]:
@@ -268,7 +274,7 @@ def measure_model(name: str, topo: Topology, density: float, steps: int) -> dict
     # One model and one set of gradients serve every exchange (Transformer-base x 5 exchanges x 4 ranks would
     # not fit in memory otherwise): each communicator is detached after building and attached for its steps.
     comms = {}
-    for kind, overrides in KINDS.items():
+    for kind, overrides in EXCHANGES.items():
         if overrides is not None:  # auto may choose the fixed kinds' density only: the same convergence bound
             extra = {"densities": [density], "min_density": density} if kind == "auto" else {}
             comms[kind] = build_communicator(CommConfig(**overrides, **extra, density=density, bucket_mb=BUCKET_MB,
@@ -293,8 +299,8 @@ def measure_model(name: str, topo: Topology, density: float, steps: int) -> dict
             comms[kind].attach()
         else:
             probes.extend(p.register_post_accumulate_grad_hook(probe) for p in params)
-    rows: dict[str, list] = {kind: [] for kind in KINDS}
-    stats: dict[str, list] = {kind: [] for kind in KINDS}
+    rows: dict[str, list] = {kind: [] for kind in EXCHANGES}
+    stats: dict[str, list] = {kind: [] for kind in EXCHANGES}
     ready_at = []
     try:
         use("auto")  # auto's calibration: its dense warm-up steps and probes, before the measured rounds
@@ -303,7 +309,7 @@ def measure_model(name: str, topo: Topology, density: float, steps: int) -> dict
             model.zero_grad(set_to_none=True)
             loss_fn().backward()
             comms["auto"].finish()
-        names = list(KINDS)
+        names = list(EXCHANGES)
         for rnd in range(steps + 1):  # round 0 is warm-up (allocations, first-touch, connections)
             # the order rotates every round, so no exchange always follows the same one
             for kind in names[rnd % len(names):] + names[:rnd % len(names)]:
@@ -344,7 +350,7 @@ def measure_model(name: str, topo: Topology, density: float, steps: int) -> dict
                                        "trials": [[plan, round(cost * 1e3, 1)]
                                                   for plan, cost in comms["auto"].trial_results()],
                                        "calibration": comms["auto"].calibration}}
-    for kind in KINDS:
+    for kind in EXCHANGES:
         cell = {key: statistics.median(r[i] for r in rows[kind])
                 for i, key in enumerate(("step_s", "fwd_s", "bwd_s", "cpu_s", "fwd_cpu_s", "bwd_cpu_s"))}
         cell["steps_s"] = [r[0] for r in rows[kind]]
@@ -439,6 +445,7 @@ def measure_all(args: argparse.Namespace, models: list[str], steps: int) -> list
                 path = cells_dir / f"{nodes}x{per_node}_{rate}_{model}_steps{steps}_density{args.density}.json"
                 part = json.loads(path.read_text()) if args.resume and path.exists() else None
                 if part is not None and (j > 0 or "primitives" in part):
+                    renamed(part)
                     print(f"  {model}: reused {path} (measured {part['measured']} at {part['commit']})", flush=True)
                 else:
                     if up != (nodes, rate):
@@ -507,7 +514,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 
 
 def report(runs: list[dict[str, Any]], args: argparse.Namespace, steps: int) -> dict[str, Any]:
-    from scripts import plan
+    from trainer.comm.emulated import compare_with_measurements
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -517,7 +524,7 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace, steps: int) -> 
     cal_path = out_dir / "calibration.json"
     cal_path.write_text(json.dumps(calibration, indent=1))
     comparison = {(c["model"], c["nodes"], c["ranks_per_node"], c["rate"], c["exchange"]): c
-                  for c in plan.compare_with_measurements(calibration)}
+                  for c in compare_with_measurements(calibration)}
 
     rows = []
     for run in runs:
@@ -605,8 +612,9 @@ def predict_cell(source: dict[str, Any], model: str, target: dict[str, Any], den
     target run is used. "auto" is the model's plan there: which plan auto's trials keep is measured, not
     predicted."""
     from trainer.comm.auto import network_from_calibration
-    from scripts.plan import BENCH_KINDS, fixed_plan, rate_bps  # imports torch: the parent's last step only
-    from trainer.comm.cost import Choice, Layout, candidates, choose, predict, with_inter_rate
+    from trainer.comm.cost import Layout, candidates, choose, predict, with_inter_rate
+    from trainer.comm.emulated import rate_bps
+    from trainer.comm.plan import fixed_plan
 
     m = source["models"][model]
     layout = Layout(source["nodes"], source["ranks_per_node"])
@@ -615,9 +623,7 @@ def predict_cell(source: dict[str, Any], model: str, target: dict[str, Any], den
     compute = m["exchanges"]["compute only"]["step_s"]
     out = {}
     for kind in FIXED:
-        wire = BENCH_KINDS[kind]
-        choice = Choice(wire, density if wire in ("topk", "hitopk") else 1.0)
-        out[kind] = compute + predict(sizes, ready, fixed_plan(choice, sizes, DENSE_BELOW), net, True)[0]
+        out[kind] = compute + predict(sizes, ready, fixed_plan(kind, sizes, density, DENSE_BELOW), net, True)[0]
     plan, exposed = choose(sizes, ready, net, lambda n: candidates(n, layout, [density], density, DENSE_BELOW), True)
     out["auto"] = compute + exposed
     return out

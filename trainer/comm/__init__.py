@@ -10,18 +10,19 @@ from trainer.comm.auto import AutoCommunicator
 from trainer.comm.base import CommTimeoutError, Communicator, LocalCommunicator
 from trainer.comm.config import CommConfig, CommKind
 from trainer.comm.dense import DenseAllreduce
+from trainer.comm.execute import PlanExecutor
 from trainer.comm.sparse import TopKCommunicator, flat_topk, hierarchical_topk
 from trainer.dist import Topology
 
 __all__ = ["AutoCommunicator", "CommConfig", "CommKind", "CommTimeoutError", "Communicator", "DenseAllreduce", "LocalCommunicator",
-           "TopKCommunicator", "build_communicator", "flat_topk", "hierarchical_topk"]
+           "PlanExecutor", "TopKCommunicator", "build_communicator", "flat_topk", "hierarchical_topk"]
 
 
 def _dense(cfg: CommConfig, model: nn.Module, topo: Topology) -> DenseAllreduce:
     return DenseAllreduce(model, topo, cfg.bucket_mb, cfg.compression)
 
 
-KINDS: dict[CommKind, Callable[[CommConfig, nn.Module, Topology], Communicator]] = {
+BUILDERS: dict[CommKind, Callable[[CommConfig, nn.Module, Topology], Communicator]] = {
     "dense": _dense,
     "topk": flat_topk,
     "hitopk": hierarchical_topk,
@@ -35,4 +36,4 @@ def build_communicator(cfg: CommConfig, model: nn.Module, topo: Topology) -> Com
     LocalCommunicator (nothing to exchange, so the gradients are not even copied)."""
     if not topo.distributed:
         return LocalCommunicator(topo)
-    return KINDS[cfg.kind](cfg, model, topo)
+    return BUILDERS[cfg.kind](cfg, model, topo)

@@ -1,12 +1,11 @@
-"""`comm.kind: auto`: the executor of a per-bucket plan (dense fp32, dense on a 16-bit wire, flat top-k,
-hierarchical top-k) and what it measures - the calibration's steps, link probes and local work, then timed
-windows of steps - to feed the decision policy (`trainer/comm/policy.py`), whose actions rank 0 broadcasts.
-docs/communicators.md describes the whole mechanism; the cost model is `trainer/comm/cost.py`.
+"""`comm.kind: auto`: the plan executor (`trainer/comm/execute.py`) plus what it measures - the calibration's
+steps, link probes and local work, then timed windows of steps - to feed the decision policy
+(`trainer/comm/policy.py`), whose actions rank 0 broadcasts. docs/communicators.md describes the mechanism;
+the cost model, and the fit of the measured links, is `trainer/comm/cost.py`.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from typing import Callable, Sequence
@@ -14,25 +13,24 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from kernels import mstopk_warm_up
 from trainer.comm.base import Bucket
 from trainer.comm.config import CommConfig
-from trainer.comm.cost import (CODES, DENSE, KINDS, Choice, Layout, Link, Network, Selection, allgather_s, candidates,
-                               fit_affine, fit_link, k_of, predict, reduce_scatter_s, ring_allreduce_s)
-from trainer.comm.dense import WIRE_DTYPES
+from trainer.comm.cost import (CODES, DENSE, Choice, Layout, Link, Network, Selection, build_network, candidates,
+                               predict)
+from trainer.comm.execute import PlanExecutor
 from trainer.comm.policy import Action, Policy, Window
-from trainer.comm.sparse import TopKCommunicator, sparse_local_work
+from trainer.comm.sparse import TOPK, sparse_local_work
 from trainer.dist import Group, Topology
 
+__all__ = ["AutoCommunicator", "build_network", "network_from_calibration"]
 
-class AutoCommunicator(TopKCommunicator):
+
+class AutoCommunicator(PlanExecutor):
     """Per-bucket exchange chosen from live measurements (docs/communicators.md)."""
 
     def __init__(self, cfg: CommConfig, model: nn.Module, topo: Topology) -> None:
-        super().__init__(cfg, model, topo, intra=topo.intra_node, inter=topo.inter_node)
-        self.cfg = cfg
-        # bf16 unless the config names a 16-bit wire: fp16's range needs a loss scaler behind it
-        self.wire16 = WIRE_DTYPES[cfg.compression] or torch.bfloat16
+        super().__init__(cfg, model, topo, "dense", {"topk": TOPK, "hitopk": TOPK}, intra=topo.intra_node,
+                         inter=topo.inter_node, replans=True)
         self.net_layout = Layout(topo.num_nodes, topo.ranks_per_node)
         self.calibration_steps = max(cfg.calibration_steps, cfg.dense_warmup_steps)
         self.plan: list[Choice] = [DENSE] * len(self.buckets)
@@ -46,8 +44,6 @@ class AutoCommunicator(TopKCommunicator):
         self._unlogged: dict[str, float] = {}
         self._local_steps = 0
         """Exchanges since this process started (calibration is per process: a resumed run measures again)."""
-        self._residual_kind: dict[int, str] = {}
-        self._folded: list[tuple[int, torch.Tensor, str]] = []
         self._launched: dict[int, float | torch.cuda.Event] = {}
         self._chain: dict[int, tuple[float | torch.cuda.Event, float | torch.cuda.Event]] = {}
         self._rows: list[tuple[list[float], list[float], float, float]] = []
@@ -66,6 +62,7 @@ class AutoCommunicator(TopKCommunicator):
         self._fresh_plan = False
         """The next step is a new plan's first: not timed (allocations, first touch of its buffers)."""
         self._options = lambda n: candidates(n, self.net_layout, cfg.densities, cfg.min_density, cfg.dense_below)
+        self.warm_up_options()
 
     # ------------------------------------------------------------ the exchange
 
@@ -106,75 +103,14 @@ class AutoCommunicator(TopKCommunicator):
 
     def exchange(self, bucket: Bucket) -> torch.Tensor:
         start = self._mark() if self._measuring_step else None  # on the exchange stream
-        choice = self.plan[bucket.index]
-        folded = self._fold_residual(bucket, choice.kind)
-        if choice.kind == "dense":
-            out = self.dense_exchange(bucket)
-        elif choice.kind == "dense16":  # a folded residual is sent exactly: fp32 this once
-            out = self.dense_exchange(bucket, None if folded else self.wire16)
-        elif choice.kind == "topk" or self.intra is None or self.inter is None:
-            out = self.sparse_exchange(bucket, None, self.topo.world, choice.density)
-            self._residual_kind[bucket.index] = "topk"
-        else:
-            out = self.sparse_exchange(bucket, self.intra, self.inter, choice.density)
-            self._residual_kind[bucket.index] = "hitopk"
+        out = super().exchange(bucket)
         if start is not None:
             self._chain[bucket.index] = (start, self._mark())
         return out
 
-    def _fold_residual(self, bucket: Bucket, kind: str) -> bool:
-        """Before an exchange of another kind than the residual's: add the residual into this rank's gradient
-        (at this step's loss scale) and drop it. Whether it did."""
-        index = bucket.index
-        old = self._residual_kind.get(index)
-        residual = self.residuals.get(index)
-        if residual is None or old == kind:
-            return False
-        flat = bucket.buffer
-        lo = 0
-        if old == "hitopk":
-            lo = self.topo.local_rank * residual.numel()
-        hi = min(flat.numel(), lo + residual.numel())
-        part = residual[:hi - lo] if self.grad_scale is None else residual[:hi - lo] * self.grad_scale
-        flat[lo:hi] += part.to(flat.dtype)
-        self._folded.append((index, residual, old))
-        del self.residuals[index], self._residual_kind[index]
-        self._spare.pop(index, None)
-        return True
-
     def begin_step(self) -> None:
         super().begin_step()
-        self._folded = []
         self._measuring_step = self.measuring
-
-    def rollback(self) -> None:
-        super().rollback()
-        for index, residual, kind in reversed(self._folded):
-            self.residuals[index], self._residual_kind[index] = residual, kind
-        self._folded = []
-
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        state["residual_kinds"] = {i: CODES[k] for i, k in self._residual_kind.items()}
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        self._residual_kind = {int(i): KINDS[int(c)] for i, c in state.get("residual_kinds", {}).items()}
-        for i, residual in self.residuals.items():  # a state from a topk/hitopk communicator: from its size
-            if i not in self._residual_kind:
-                self._residual_kind[i] = self._layout_of_residual(i, residual.numel())
-        self._folded = []
-
-    def _layout_of_residual(self, index: int, size: int) -> str:
-        """"topk" for a residual of the whole bucket, "hitopk" for one of this rank's 1/L shard."""
-        n = self.buckets[index].numel
-        if size == n:
-            return "topk"
-        if size == math.ceil(n / self.local_size):
-            return "hitopk"
-        raise ValueError(f"comm state: the residual of bucket {index} has {size} elements, neither the bucket's "
-                         f"{n} (topk) nor its 1/{self.local_size} shard (hitopk): saved with other buckets")
 
     # ------------------------------------------------------------ measuring and deciding
 
@@ -319,13 +255,11 @@ class AutoCommunicator(TopKCommunicator):
         self.plan = list(plan)
         self.predicted_exposed_s, self.predicted_chain_s = predict(
             [b.numel for b in self.buckets], self.ready_before_end, self.plan, self.net, self.local_competes)
-        sizes = set()
-        for b, c in zip(self.buckets, self.plan):
-            if c.sparse:
-                n = math.ceil(b.numel / (self.local_size if c.kind == "hitopk" else 1))
-                sizes.add((n, k_of(n, c.density)))
-        if sizes:  # compile the selection kernels for the new sizes now, not inside a timed step
-            mstopk_warm_up(self.topo.device, sorted(sizes), self.iters)
+        self.warm_up(zip([b.numel for b in self.buckets], self.plan))
+
+    def warm_up_options(self) -> None:
+        """Compile the selection kernels for every size a plan may select from."""
+        self.warm_up((b.numel, c) for b in self.buckets for c in self._options(b.numel))
 
     def selection_sizes(self) -> dict[tuple[int, float], int]:
         """Every (elements, density) a plan may select from: each large bucket (topk) and its 1/L shard
@@ -334,7 +268,7 @@ class AutoCommunicator(TopKCommunicator):
         for b in self.buckets:
             for c in self._options(b.numel):
                 if c.sparse:
-                    key = (math.ceil(b.numel / (self.local_size if c.kind == "hitopk" else 1)), c.density)
+                    key = (self.placement(self.runs_as(c).kind, b.numel)[1], c.density)
                     sizes[key] = sizes.get(key, 0) + 1
         return sizes
 
@@ -411,7 +345,7 @@ class AutoCommunicator(TopKCommunicator):
         points = []
         big = [b for b in self.buckets if b.numel >= self.dense_below and b.buffer is not None]
         for b in big:
-            for part in sorted({b.numel, math.ceil(b.numel / self.local_size)}):
+            for part in sorted({b.numel, self.placement("hitopk", b.numel)[1]}):
                 # this bucket's values (selection cost depends on them), made finite: after an fp16 overflow
                 # the live gradient holds inf/NaN, which selection rejects
                 g = torch.nan_to_num(b.buffer[:part].float(), nan=0.0, posinf=0.0, neginf=0.0)
@@ -440,51 +374,6 @@ class AutoCommunicator(TopKCommunicator):
         lines.append(f"predicted exposed exchange: {self.predicted_exposed_s * 1e3:.1f} ms (all dense: "
                      f"{dense_exposed * 1e3:.1f} ms); ready ms = launched this long before backward ended")
         return "\n".join(lines)
-
-
-def build_network(layout: Layout, probes: dict[str, list[tuple[float, float]]],
-                  select_points: Sequence[tuple[float, float]], cast_per_element_s: float) -> Network:
-    """The links and local costs fitted to probe measurements ({probe: [(bytes, seconds)]}, see
-    AutoCommunicator._probe_links) and the sparse local work's [(elements, seconds)]."""
-    w, per, nodes = layout.world, layout.per_node, layout.nodes
-    links = {"world": fit_collective(probes["world"], ring_allreduce_s, w)}
-    if "world16" in probes:  # a link carries bytes: a 16-bit wire is never faster per byte (its sums may be slower)
-        fitted = fit_collective(probes["world16"], ring_allreduce_s, w)
-        links["world16"] = Link(max(fitted.alpha_s, links["world"].alpha_s),
-                                min(fitted.bytes_per_s, links["world"].bytes_per_s))
-    if "world_gather" in probes:
-        links["world_gather"] = fit_collective(probes["world_gather"], allgather_s, w)
-    if "inter" in probes:  # the node's L local ranks gather at once over its link
-        links["inter"] = fit_collective(probes["inter"], lambda b, p, link: allgather_s(b, p, link, sharing=per),
-                                        nodes)
-    if "intra_gather" in probes:  # one link from both intra-node collectives: bytes scaled by each one's volume
-        pts = [(b * _volume(allgather_s, per), t) for b, t in probes["intra_gather"]]
-        pts += [(b * _volume(reduce_scatter_s, per), t) for b, t in probes.get("intra_scatter", [])]
-        links["intra"] = fit_link(pts, _rounds(allgather_s, per), 1.0)
-    selection = Selection(0.0, 0.0)
-    if select_points:
-        fixed, per_element = fit_affine(select_points)
-        if per_element <= 0:  # noise between sizes: the average cost per element
-            fixed, per_element = 0.0, sum(t for _, t in select_points) / sum(n for n, _ in select_points)
-        selection = Selection(fixed, per_element)
-    return Network(layout, links, selection, cast_per_element_s)
-
-
-def _rounds(formula: Callable[[float, int, Link], float], p: int) -> float:
-    """The latency terms of a collective's formula at p ranks: its time for no bytes at 1 s per step."""
-    return formula(0.0, p, Link(1.0, 1.0))
-
-
-def _volume(formula: Callable[[float, int, Link], float], p: int) -> float:
-    """The bytes through the busiest link per byte of a collective's size: its time at 1 B/s, no latency."""
-    return formula(1.0, p, Link(0.0, 1.0))
-
-
-def fit_collective(points: Sequence[tuple[float, float]], formula: Callable[[float, int, Link], float], p: int
-                   ) -> Link:
-    """The link that makes `formula` (a `cost` collective: bytes, ranks, link -> seconds) fit the measured
-    (bytes, seconds) at p ranks: least squares on the formula's own rounds and volume."""
-    return fit_link(points, _rounds(formula, p), _volume(formula, p))
 
 
 def network_from_calibration(cal: dict[str, float], layout: Layout) -> tuple[Network, list[int], list[float]]:

@@ -1,16 +1,18 @@
 """The one cost model of a gradient exchange: each bucket's exchange as the collectives it issues plus its
 local work, and the time of a step in which those exchanges overlap backward.
 
-`describe(n, choice, layout)` is what trainer/comm does for one bucket of n fp32 gradients:
+`describe(n, choice, layout)` is what trainer/comm does for one bucket of n fp32 gradients (the kinds, `Choice`
+and `KINDS`, are trainer/comm/plan.py's, re-exported here):
 - dense: one allreduce of the bucket over all ranks (fp32, or fp16/bf16 on the wire);
 - topk: every rank selects k = ceil(density n) of its residual-corrected bucket, allgathers (value, index)
   pairs with every rank and scatter-adds them;
 - hitopk: intra-node reduce-scatter, selection on this rank's 1/L shard, allgather of the pairs among the
   N nodes' ranks of this local rank (the L local ranks share the node's link), intra-node allgather.
 The communicators count their bytes from this description (`sent_bytes`), the `auto` communicator times
-it with the links it measured, and `scripts/plan.py` times it with a cluster's links.
+it with the links it measured, and the planner (`trainer/comm/planner.py`) times it with a cluster's links.
 
-Collective times are alpha-beta: ring steps x latency + the bytes through the busiest link / its bandwidth.
+Collective times are alpha-beta (`trainer/comm/links.py`, re-exported here): ring steps x latency + the bytes
+through the busiest link / its bandwidth; `build_network` fits a network's links to probe measurements.
 A step is its compute plus the exposed exchange (`exposed_s`): bucket chains run one after another, each
 from the moment backward has produced its bucket, and the optimizer waits for the last one. `choose` finds
 the plan (one of `candidates` per bucket) with the least predicted exposed time (`predict`).
@@ -22,48 +24,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from trainer.comm.links import (Link, Selection, allgather_s, fit_affine, fit_collective, fit_link,  # noqa: F401
+                                fit_selection, hierarchical_allreduce_s, reduce_scatter_s, ring_allreduce_s,
+                                rounds_of, volume_of)
+from trainer.comm.plan import CODES, DENSE, KINDS, Choice, plan_summary  # noqa: F401
+
 if TYPE_CHECKING:
     from trainer.dist import Topology
-
-KINDS = ("dense", "dense16", "topk", "hitopk")
-"""The per-bucket exchanges: dense fp32, dense on a 16-bit wire, flat top-k, hierarchical top-k."""
-
-CODES = {kind: i for i, kind in enumerate(KINDS)}
-"""A choice's number in the logged stats (`comm/choice/<bucket>`): 0 dense, 1 dense16, 2 topk, 3 hitopk."""
-
-
-@dataclass(frozen=True)
-class Choice:
-    """How one bucket is exchanged."""
-
-    kind: str = "dense"
-    density: float = 1.0
-    """Fraction sent (sparse kinds; 1 for dense)."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"exchange {self.kind!r}: valid ones are {', '.join(KINDS)}")
-        if not 0 < self.density <= 1:
-            raise ValueError(f"density must be in (0, 1], got {self.density}")
-
-    @property
-    def sparse(self) -> bool:
-        return self.kind in ("topk", "hitopk")
-
-    @property
-    def label(self) -> str:
-        return f"{self.kind} {self.density:g}" if self.sparse else self.kind
-
-
-DENSE = Choice("dense")
-
-
-def plan_summary(plan: Sequence[Choice]) -> str:
-    """`3 x hitopk 0.01, 2 x dense`: how many buckets take each choice."""
-    counts: dict[str, int] = {}
-    for c in plan:
-        counts[c.label] = counts.get(c.label, 0) + 1
-    return ", ".join(f"{v} x {k}" for k, v in counts.items())
 
 
 @dataclass(frozen=True)
@@ -156,62 +123,6 @@ def sent_bytes(c: Collective, layout: Layout) -> tuple[float, float]:
 # ---------------------------------------------------------------- timing
 
 
-@dataclass(frozen=True)
-class Link:
-    """One kind of link: latency per ring step and payload bandwidth (bytes/s) of its busiest hop."""
-
-    alpha_s: float
-    bytes_per_s: float
-
-    def __post_init__(self) -> None:
-        if not self.bytes_per_s > 0 or self.alpha_s < 0:
-            raise ValueError(f"link: bandwidth must be > 0 and latency >= 0, got {self.bytes_per_s} B/s, "
-                             f"{self.alpha_s} s")
-
-
-def ring_allreduce_s(nbytes: float, p: int, link: Link) -> float:
-    """Ring allreduce of an nbytes buffer over p ranks: 2(p-1) steps, 2(p-1)/p of the buffer per link."""
-    if p <= 1:
-        return 0.0
-    return 2 * (p - 1) * link.alpha_s + 2 * (p - 1) / p * nbytes / link.bytes_per_s
-
-
-def reduce_scatter_s(nbytes: float, p: int, link: Link) -> float:
-    """Ring reduce-scatter of an nbytes buffer (each rank keeps 1/p): p-1 steps, (p-1)/p of the buffer."""
-    if p <= 1:
-        return 0.0
-    return (p - 1) * link.alpha_s + (p - 1) / p * nbytes / link.bytes_per_s
-
-
-def allgather_s(payload_bytes: float, p: int, link: Link, sharing: int = 1) -> float:
-    """Ring allgather of one payload per rank over p ranks: p-1 steps, p-1 payloads through each link.
-
-    `sharing` groups run at once over the same link (hitopk: the L local ranks of a node share its NIC)."""
-    if p <= 1:
-        return 0.0
-    return (p - 1) * link.alpha_s + sharing * (p - 1) * payload_bytes / link.bytes_per_s
-
-
-def hierarchical_allreduce_s(nbytes: float, nodes: int, per_node: int, intra: Link, inter: Link) -> float:
-    """NCCL-style 2-D allreduce: intra-node reduce-scatter, per_node parallel inter-node rings on 1/per_node
-    shards (sharing the NIC), intra-node allgather."""
-    inter_s = 0.0
-    if nodes > 1:
-        inter_s = 2 * (nodes - 1) * inter.alpha_s + 2 * (nodes - 1) / nodes * nbytes / inter.bytes_per_s
-    return reduce_scatter_s(nbytes, per_node, intra) + inter_s + allgather_s(nbytes / per_node, per_node, intra)
-
-
-@dataclass(frozen=True)
-class Selection:
-    """Local work of a sparse exchange: fixed seconds per call plus seconds per element selected from."""
-
-    fixed_s: float
-    per_element_s: float
-
-    def seconds(self, n: float) -> float:
-        return self.fixed_s + self.per_element_s * n if n else 0.0
-
-
 @dataclass
 class Network:
     """The links an exchange runs over, as `collective_s` reads them.
@@ -276,29 +187,32 @@ def exposed_s(ready_before_end: Sequence[float], chain_s: Sequence[float], cpu_s
     return max(cpu_s, end, 0.0)
 
 
-def fit_link(points: Sequence[tuple[float, float]], rounds: float, volume: float) -> Link:
-    """Least-squares latency and bandwidth from measured (bytes, seconds): t = rounds a + volume bytes / bw.
-
-    volume: bytes through the busiest link per byte of the measured size (the formula's factor)."""
-    fixed, per = fit_affine([(volume * x, t) for x, t in points])
-    if per <= 0:  # noise hid the growth with size: no latency, the largest size's throughput
-        x, t = max(points)
-        fixed, per = 0.0, max(t, 1e-9) / max(volume * x, 1.0)
-    return Link(fixed / rounds if rounds else 0.0, 1.0 / per)
+PROBES = ("world", "world16", "world_gather", "inter", "intra_gather", "intra_scatter")
+"""The measured collectives a network's links are fitted to, by link: allreduce over all ranks (fp32, 16-bit
+wire), allgather over all ranks, allgather among a local rank's peers on the other nodes, and the intra-node
+allgather and reduce-scatter (both fit the one "intra" link)."""
 
 
-def fit_affine(xy: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares y = a + b x with a >= 0 (a negative intercept is refitted through the origin)."""
-    if not xy:
-        raise ValueError("fit_affine: no points")
-    xs, ys = [x for x, _ in xy], [y for _, y in xy]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    intercept = my - slope * mx
-    if intercept < 0:
-        slope, intercept = sum(x * y for x, y in zip(xs, ys)) / max(sum(x * x for x in xs), 1e-30), 0.0
-    return intercept, slope
+def build_network(layout: Layout, probes: dict[str, list[tuple[float, float]]],
+                  select_points: Sequence[tuple[float, float]] = (), cast_per_element_s: float = 0.0) -> Network:
+    """The links fitted to probe measurements ({probe: [(bytes, seconds)]}, `PROBES`) and the sparse local
+    work fitted to [(elements, seconds)]."""
+    w, per, nodes = layout.world, layout.per_node, layout.nodes
+    links = {"world": fit_collective(probes["world"], ring_allreduce_s, w)}
+    if "world16" in probes:  # a link carries bytes: a 16-bit wire is never faster per byte (its sums may be slower)
+        fitted = fit_collective(probes["world16"], ring_allreduce_s, w)
+        links["world16"] = Link(max(fitted.alpha_s, links["world"].alpha_s),
+                                min(fitted.bytes_per_s, links["world"].bytes_per_s))
+    if "world_gather" in probes:
+        links["world_gather"] = fit_collective(probes["world_gather"], allgather_s, w)
+    if "inter" in probes:  # the node's L local ranks gather at once over its link
+        links["inter"] = fit_collective(probes["inter"], lambda b, p, link: allgather_s(b, p, link, sharing=per),
+                                        nodes)
+    if "intra_gather" in probes:  # one link from both intra-node collectives: bytes scaled by each one's volume
+        pts = [(b * volume_of(allgather_s, per), t) for b, t in probes["intra_gather"]]
+        pts += [(b * volume_of(reduce_scatter_s, per), t) for b, t in probes.get("intra_scatter", [])]
+        links["intra"] = fit_link(pts, rounds_of(allgather_s, per), 1.0)
+    return Network(layout, links, fit_selection(select_points), cast_per_element_s)
 
 
 def exchange_bytes(ex: Exchange, layout: Layout) -> tuple[float, float]:
