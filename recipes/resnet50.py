@@ -19,16 +19,16 @@ import torch
 import torchvision
 from torch import nn
 
-from data import DataConfig, build_image_data
-from trainer.classification import ClassificationTask, ClassificationTrainConfig
+from data import DataConfig
+from trainer.classification import ClassificationTask, ClassificationTrainConfig, build_classification_data
 from trainer.comm import CommConfig
-from trainer.config import ConfigError, require
+from trainer.config import require
 from trainer.dist import DistConfig, Topology
 from trainer.metrics import LogConfig
 from trainer.optim import OptimConfig, build_optimizer
 from trainer.run import run
-from trainer.schedules import ScheduleConfig, check_phases
-from trainer.torchvision_weights import WeightsMismatchError, load_pretrained, local_weights
+from trainer.schedules import ScheduleConfig, check_phase_table
+from trainer.torchvision_weights import check_init, maybe_init_from_torchvision
 
 
 @dataclass
@@ -51,13 +51,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         require(0 <= self.label_smoothing < 1, f"model.label_smoothing: must be in [0, 1), got {self.label_smoothing}")
-        require(self.init == "torchvision" or not self.init_weights,
-                "model.init_weights: only read with model.init=torchvision")
-        if self.init == "torchvision":  # a missing file is an error now, before any process group or data
-            try:
-                local_weights(self.arch, self.init_weights)
-            except (FileNotFoundError, WeightsMismatchError) as e:
-                raise ConfigError(str(e)) from None
+        check_init(self.init, self.arch, self.init_weights)  # a missing file: an error now, before any work
 
 
 @dataclass
@@ -80,28 +74,14 @@ class Config:
     """Outputs: TensorBoard, JSONL, DAWNBench files."""
 
     def __post_init__(self) -> None:
-        require(bool(self.schedule.phases), "schedule.phases: the ResNet-50 recipe needs at least one phase "
-                                            "(image_size and batch_size per epoch range)")
-        check_phases(self.schedule.phases, self.train.epochs)
+        check_phase_table(self.schedule.phases, self.train.epochs, "the ResNet-50 recipe")
 
 
 def build_model(cfg: ModelConfig, num_classes: int, verbose: bool = False) -> nn.Module:
     """torchvision's ResNet, residual blocks starting as the identity (model.zero_init_residual), or from
     torchvision's pretrained weights (model.init); the task applies model.small_map_gemm."""
     model = torchvision.models.get_model(cfg.arch, num_classes=num_classes, zero_init_residual=cfg.zero_init_residual)
-    if cfg.init == "torchvision":
-        try:
-            loaded = load_pretrained(model, cfg.arch, cfg.init_weights)
-        except WeightsMismatchError as e:
-            raise ConfigError(str(e)) from None
-        if verbose:
-            print(loaded)
-    return model
-
-
-def build_data(cfg: Config, topo: Topology) -> Any:
-    """This rank's share of the ImageNet-layout dataset, through the multi-level cache (data.*)."""
-    return build_image_data(cfg.data, topo.rank, topo.world_size, cfg.train.seed, topo.device)
+    return maybe_init_from_torchvision(model, cfg.init, cfg.arch, cfg.init_weights, verbose)
 
 
 def build_task(cfg: Config, topo: Topology, data: Any) -> tuple[ClassificationTask, torch.optim.Optimizer]:
@@ -113,7 +93,7 @@ def build_task(cfg: Config, topo: Topology, data: Any) -> tuple[ClassificationTa
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return run(Config, build_data, build_task, argv, prog="python -m recipes.resnet50")
+    return run(Config, build_classification_data, build_task, argv, prog="python -m recipes.resnet50")
 
 
 if __name__ == "__main__":

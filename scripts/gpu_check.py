@@ -724,8 +724,9 @@ def _train_steps(trainer: Any, batches: Any, device: Any, warmup: int, timed: in
 
 
 def _trainer(train_cfg: Any, topo: Any, model: Any, task: Any, optimizer: Any, comm: Any, log_dir: str) -> Any:
-    from trainer.loop import Components, LoopConfig, Trainer
+    from trainer.loop import Trainer
     from trainer.metrics import LogConfig
+    from trainer.train_config import Components, LoopConfig
 
     return Trainer(LoopConfig(train_cfg, log=LogConfig(dir=log_dir, tensorboard=False, progress=False)), topo, task,
                    Components(model, optimizer, comm))
@@ -814,7 +815,7 @@ def check_train_transformer(device: Any) -> list[Row]:
 
     from data.translation import BOS, EOS, TranslationBatch
     from recipes.transformer_model import TransformerConfig, build_transformer
-    from trainer.loop import TrainConfig
+    from trainer.train_config import TrainConfig
     from trainer.optim import OptimConfig, build_optimizer
 
     require_device(device)

@@ -31,9 +31,12 @@ from trainer.checkpoint import (MANIFEST, MODEL, CheckpointWriteError, checkpoin
                                 write_atomic, write_manifest, write_rank_files)
 from trainer.comm import LocalCommunicator
 from trainer.dist import DistConfig, setup_distributed
-from trainer.loop import PREEMPTED_EXIT_CODE, Components, LoopConfig, ProgressLines, TrainConfig, Trainer
+from trainer.loop import Trainer
 from trainer.metrics import LogConfig
+from trainer.preemption import PREEMPTED_EXIT_CODE
+from trainer.progress import ProgressLines
 from trainer.task import Task
+from trainer.train_config import Components, LoopConfig, TrainConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -229,13 +232,13 @@ def test_residuals_of_another_bucket_layout_are_dropped_with_a_warning(tmp_path)
     same = one_process_trainer(tmp_path, buckets=[3, 2], resume=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert same.maybe_resume() is not None
+        assert same.checkpointer.load_latest() is not None
     assert not [w for w in caught if "layout" in str(w.message)]
     assert torch.equal(same.comm.residuals[1], torch.tensor([1.0, 2.0]))  # the same layout: restored
     other = one_process_trainer(tmp_path, buckets=[4, 1], resume=True)
     with pytest.warns(UserWarning, match=r"on the same 1 ranks but another communicator layout \(buckets [0-9a-f]+ -> "
                                          r"[0-9a-f]+\).*dropped the communicator's per-rank state \['residuals'\]"):
-        assert other.maybe_resume() is not None
+        assert other.checkpointer.load_latest() is not None
     assert other.comm.residuals == {} and other.step == 4  # zero residuals, the rest restored
 
 
@@ -244,11 +247,11 @@ def test_a_resume_whose_epoch_has_other_steps_says_the_rest_is_replanned(tmp_pat
     trainer.epoch = 1
     batch = trainer.schedule.phase(1).batch_size
     # the same steps per epoch (a global batch fixed in samples): the same samples, the same step
-    kept = trainer.replan_position({"step_in_epoch": 20, "steps_per_epoch": 30, "samples_in_epoch": 20 * batch})
+    kept = trainer.checkpointer.replan_position({"step_in_epoch": 20, "steps_per_epoch": 30, "samples_in_epoch": 20 * batch})
     assert trainer.step_in_epoch == 20 and kept == f"data position kept: sample {20 * batch} of epoch 1 = step 20 " \
                                                    f"at global batch {batch}"
     # batches planned per world size: 40 steps on the old ranks, 30 now; step 20 of 40 is step 15 of 30
-    moved = trainer.replan_position({"step_in_epoch": 20, "steps_per_epoch": 40, "samples_in_epoch": 20 * batch})
+    moved = trainer.checkpointer.replan_position({"step_in_epoch": 20, "steps_per_epoch": 40, "samples_in_epoch": 20 * batch})
     assert trainer.step_in_epoch == 15
     assert "re-planned for 1 ranks (30 steps instead of 40): it continues at step 15" in moved
     assert "some pairs may be trained twice and some skipped" in moved and "sample" not in moved
@@ -259,7 +262,7 @@ def _checkpoint_with_a_failing_writer(rank: int, world: int, tmp: str) -> str:
     if rank == 1:
         def write(*args: object) -> None:
             raise RuntimeError("torch.save failed half-way")
-        trainer.writer.write = write  # type: ignore[method-assign]
+        trainer.checkpointer.writer.write = write  # type: ignore[method-assign]
     try:
         trainer.checkpoint(background=False)
     except CheckpointWriteError as e:
@@ -297,7 +300,7 @@ class SignalledTask(PlannedTask):
 
     def test(self) -> dict[str, float]:
         if self.trainer is not None:  # the final test, after training
-            self.seen = {"handler": signal.getsignal(signal.SIGUSR1), "watchdog": self.trainer.watchdog}
+            self.seen = {"handler": signal.getsignal(signal.SIGUSR1), "watchdog": self.trainer.preemption.watchdog}
         return {}
 
     def target_reached(self, record: dict) -> bool:
@@ -320,37 +323,37 @@ def test_a_signal_after_the_last_check_leaves_no_grace_timer_past_training(tmp_p
     task.trainer = trainer
     before = signal.getsignal(signal.SIGUSR1)
     trainer.fit()
-    assert trainer.preempt_signal == signal.SIGUSR1  # it came, after the last step's check
+    assert trainer.preemption.signal == signal.SIGUSR1  # it came, after the last step's check
     assert task.seen["handler"] == before  # the final test runs under the previous handlers
     assert task.seen["watchdog"].finished.is_set()  # cancelled (set by cancel; else only after 600 s)
 
 
 def test_a_forked_child_does_not_act_on_the_inherited_handler(tmp_path):
     trainer = one_process_trainer(tmp_path, preempt_grace_s=600)
-    restore = trainer.install_preemption_handlers()
+    restore = trainer.preemption.install()
     try:
         pid = os.fork()
         if pid == 0:  # a DataLoader worker, as fork starts it
             os.kill(os.getpid(), signal.SIGTERM)
-            os._exit(0 if trainer.watchdog is None and trainer.preempt_signal is None else 1)
+            os._exit(0 if trainer.preemption.watchdog is None and trainer.preemption.signal is None else 1)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0  # alive after SIGTERM, and no timer of its own
-        assert trainer.preempt_signal is None
+        assert trainer.preemption.signal is None
     finally:
         restore()
 
 
 def _agree_on_a_signal(rank: int, world: int, tmp: str) -> tuple[bool, bool, int]:
     trainer = one_process_trainer(Path(tmp), preempt_grace_s=600)
-    restore = trainer.install_preemption_handlers()
+    restore = trainer.preemption.install()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGUSR1)
-    armed_before = trainer.watchdog is not None
-    agreed = trainer.preemption_agreed()
-    armed = trainer.watchdog is not None
-    trainer.cancel_watchdog()
+    armed_before = trainer.preemption.watchdog is not None
+    agreed = trainer.preemption.agreed(trainer.step)
+    armed = trainer.preemption.watchdog is not None
+    trainer.preemption.cancel_watchdog()
     restore()
-    return agreed, armed and not (rank == 0 and armed_before), trainer.preempted_ranks
+    return agreed, armed and not (rank == 0 and armed_before), trainer.preemption.ranks
 
 
 def test_every_rank_has_the_grace_timer_once_the_ranks_agree_on_a_signal(tmp_path):
@@ -403,7 +406,7 @@ def test_a_checkpoint_reads_the_communicators_state_once(tmp_path):
     trainer.comm.state_dict = lambda: calls.append(1) or state_dict()  # type: ignore[method-assign]
     for background in (False, True):
         trainer.checkpoint(background=background)
-        trainer.wait_for_checkpoints()
+        trainer.checkpointer.wait()
         trainer.step += 1
     assert len(calls) == 2  # once per checkpoint on rank 0: the rank file and the shared state share the copy
     state, _ = latest_checkpoint(tmp_path)

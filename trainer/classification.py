@@ -1,6 +1,6 @@
 """Image classification as a `Task` (trainer/task.py): label-smoothed cross-entropy on images from
 data.build_image_data, top-1/top-5 evaluation, the DAWNBench TSV, and the `train` keys the ResNet recipe
-adds (targets, channels-last).
+adds (targets, channels-last). The data pipeline and its cache: docs/data-and-cache.md.
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ from typing import Any, Iterator, Literal
 import torch
 from torch import nn
 
+from data import build_image_data
 from kernels import use_direct_convs, use_gemm_for_small_maps
 from trainer.choices import Probe
 from trainer.config import require
 from trainer.dist import Topology, all_reduce_sum, broadcast_module
-from trainer.loop import TrainConfig
 from trainer.metrics import Writer
 from trainer.schedules import Phase
 from trainer.task import Task
+from trainer.train_config import TrainConfig
 
 
 @dataclass
@@ -59,6 +60,12 @@ class DawnbenchWriter(Writer):
 
     def close(self) -> None:
         self.file.close()
+
+
+def build_classification_data(cfg: Any, topo: Topology) -> Any:
+    """This rank's share of the ImageNet-layout dataset of a root config `cfg` (its `data` section, train.seed),
+    through the multi-level cache."""
+    return build_image_data(cfg.data, topo.rank, topo.world_size, cfg.train.seed, topo.device)
 
 
 def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:

@@ -1,255 +1,43 @@
 """The train loop: phases → epochs → steps, with evaluation, time-to-target, checkpoints and metrics.
 
-What a step computes belongs to a `Task` (trainer/task.py: image classification, translation); the loop
-owns what every recipe shares. Gradients are averaged by the communicator (launched from autograd hooks
-during backward, waited on in `train_step`), not by DDP, so that the sparse communicators can replace the
-dense one by config. DAWNBench counts total wall-clock time, so evaluation and checkpointing are inside
-the clock.
-
-Reliability (docs/reliability.md): a checkpoint is a folder in which every rank writes its own state (RNG,
-communicator residuals) and rank 0 the shared state (trainer/checkpoint.py), with the position inside the
-epoch, so a run killed anywhere resumes where its newest checkpoint was taken and, with
-`train.deterministic`, ends bitwise equal to an uninterrupted run; torchrun's restarts resume on their own
-(`train.resume: auto`), also on a different number of ranks. SIGTERM or SIGUSR1 (a preemption notice) makes
-every rank finish its step, write a checkpoint together and exit with PREEMPTED_EXIT_CODE, which torchrun
-restarts and Slurm can requeue. Non-finite gradients never reach the weights: the loss scaler skips and
-counts such steps, and without one the run stops naming the step.
+What a step computes belongs to a `Task` (trainer/task.py); the loop owns what every recipe shares. Gradients
+are averaged by the communicator (launched from autograd hooks during backward, waited on in `train_step`),
+not by DDP, so that the sparse communicators can replace the dense one by config. Evaluation and checkpoints
+are inside the DAWNBench clock. Non-finite gradients never reach the weights: the loss scaler skips and counts
+such steps, and without one the run stops naming the step. Checkpoints are the `Checkpointer`'s
+(trainer/checkpointer.py), stop signals the `Preemption`'s (trainer/preemption.py): docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import math
-import os
-import shutil
-import signal
-import sys
-import threading
 import time
-import uuid
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Protocol
+from typing import Any
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
-from trainer.checkpoint import (MODEL, SHARED, CheckpointWriter, CheckpointWriteError, CorruptCheckpointError,
-                                load_file, rank_file, read_manifest, step_dir_name,
-                                step_dirs, verify_files)
-from trainer.comm import CommConfig, Communicator, build_communicator
-from trainer.config import require, to_dict
-from trainer.dist import ReplicaGuard, Topology, all_reduce_sum, broadcast_flag, broadcast_module
-from trainer.metrics import LogConfig, MetricsLogger
-from trainer.optim import set_lr_momentum
+from trainer.checkpointer import Checkpointer
 from trainer.choices import ChoiceCache, Decision, cache_folder
+from trainer.comm import CommConfig, Communicator, build_communicator
+from trainer.config import to_dict
+from trainer.dist import ReplicaGuard, Topology, all_reduce_sum, broadcast_flag, broadcast_module
+from trainer.optim import optimizer_metrics, set_lr_momentum
 from trainer.precision import AMP_DTYPES, amp_candidates, autocast, build_grad_scaler
-from trainer.run_choices import NOT_CHECKPOINTED, RunStep, settle
+from trainer.preemption import Preemption
+from trainer.progress import Meter, ProgressLines, build_progress_bar, print_plan, timed_next
+from trainer.run_choices import RunStep, settle
 from trainer.run_record import add_to_run_record
-from trainer.rng import rng_state, seed_rank, set_rng_state
-from trainer.schedules import Phase, ScheduleConfig, build_schedule
+from trainer.schedules import Phase, build_schedule
 from trainer.task import Task
-
-PREEMPTED_EXIT_CODE = 75
-"""The exit status after a stop signal and its checkpoint: EX_TEMPFAIL of sysexits.h ("try again later").
-torchrun --max-restarts restarts on any non-zero status but never passes it on (it exits 1): under torchrun
-the batch script requeues explicitly (scripts/slurm/); without torchrun, Slurm's RequeueExit=75 requeues it
-(docs/reliability.md)."""
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-def ranks(first: int, last: int) -> str:
-    """'rank 2' or 'ranks 0-1', for messages."""
-    return f"rank {first}" if first == last else f"ranks {first}-{last}"
-
-
-def describe_error(error: BaseException) -> str:
-    """A checkpoint failure in words: a CheckpointWriteError's own message, else the exception's type and text."""
-    return str(error) if isinstance(error, CheckpointWriteError) else f"{type(error).__name__}: {error}"
-
-
-def holds_tensors(value: Any) -> bool:
-    """Whether a state entry holds tensors (nested dicts, lists, tuples)."""
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, dict):
-        return any(holds_tensors(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(holds_tensors(v) for v in value)
-    return False
-
-
-@dataclass
-class TrainConfig:
-    epochs: int = 10
-    """Training epochs (the phase table must end here)."""
-    stop_at_target: bool = True
-    """Stop as soon as every set target is reached (DAWNBench style)."""
-    eval_every_epochs: int = 1
-    """Evaluate every this many epochs (and always after the last one)."""
-    amp: Literal["auto", "off", "bf16", "fp16"] = "auto"
-    """Mixed precision: auto = measured at start-up (trainer/choices.py) among fp32 and bf16 on the CPU, bf16
-    and fp16 (with loss scaling) on CUDA; off = fp32; a pinned value this device cannot run is a config
-    error."""
-    seed: int = 0
-    """Seed for weights, data order and augmentation."""
-    max_steps_per_epoch: int = 0
-    """Cap on steps per epoch for debugging; 0 = the whole epoch."""
-    checkpoint_every_epochs: int = 1
-    """Write a checkpoint every this many epochs (and at the end); 0 = never."""
-    checkpoint_every_steps: int = 0
-    """Also write a checkpoint every this many optimizer steps, inside epochs (a resume continues mid-epoch):
-    bounds the work a crash loses; 0 = at epoch ends only."""
-    checkpoint_in_background: bool = False
-    """Snapshot checkpoints to host memory and write them on a background thread (training goes on during
-    the write; a failed write stops the run at the next checkpoint or at the end)."""
-    keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep."""
-    resume: bool | Literal["auto"] = "auto"
-    """Resume from the newest valid checkpoint in log.dir/checkpoints: true (also --resume); false = a fresh
-    run (what log.dir held is archived); auto = when the job was restarted: by torchrun after a failure or a
-    preemption (torchrun --max-restarts N sets TORCHELASTIC_RESTART_COUNT) or by a Slurm requeue
-    (SLURM_RESTART_COUNT), else fresh."""
-    deterministic: bool = False
-    """Deterministic kernels only (torch.use_deterministic_algorithms): with the same world size and thread
-    count, a run killed and resumed ends bitwise equal to an uninterrupted one."""
-    loss_scale: Literal["auto", "dynamic", "off"] = "auto"
-    """Loss scaling: auto = dynamic with fp16, else off; dynamic = a dynamic scaler at any precision (a step
-    with non-finite gradients is skipped and counted in train/skipped_steps); off = none, and a non-finite
-    gradient stops the run naming the step."""
-    max_skipped_steps: int = 50
-    """Stop when the loss scaler skips this many steps in a row (the weights or the data are broken: not an
-    fp16 overflow, which one or two skips fix)."""
-    threads: int = 0
-    """torch CPU threads per rank; 0 = leave the launcher's setting (torchrun sets 1 per rank)."""
-    preempt_grace_s: float = 25.0
-    """Seconds between SIGTERM/SIGUSR1 and the forced exit: the ranks finish their step, write a checkpoint
-    together and exit with status 75 (restartable); a rank still running after this many seconds exits at
-    once with that status, without a checkpoint. Keep it below the platform's notice (30 s on GCP spot, the
-    `--signal` time on Slurm) and, when torchrun itself is signalled, below its --shutdown-timeout (30 s by
-    default), after which torchrun SIGKILLs the ranks (scripts/slurm/ pass 100 s and 110 s)."""
-    calibration_rounds: int = 3
-    """Measured choices (train.amp, train.channels_last, model.small_map_gemm left at auto): timed steps per
-    candidate combination and phase shape at start-up, after one warm-up step each; the median counts."""
-    calibration_budget: float = 0.1
-    """Measured choices: no further round starts once the measurement has spent this fraction of the best
-    candidate's predicted seconds for the run, one budget for all the choices measured (each one's warm-up and
-    first measured round always run)."""
-    choices_cache: str = "auto"
-    """Folder of the per-machine cache of measured choices (a second identical run starts without measuring):
-    auto = $XDG_CACHE_HOME/dawnbench-recipes/choices (~/.cache/... when unset); none = measure every run."""
-    preempt_check_every_steps: int = 1
-    """How often the ranks agree whether one of them was signalled: a one-number all-reduce (and a host sync)
-    at every this many step ends. A signal is acted on up to this many steps late: keep that and a
-    checkpoint's write well inside train.preempt_grace_s."""
-
-    def __post_init__(self) -> None:
-        require(self.epochs > 0, f"train.epochs: must be > 0, got {self.epochs}")
-        require(self.eval_every_epochs > 0, f"train.eval_every_epochs: must be > 0, got {self.eval_every_epochs}")
-        require(self.max_steps_per_epoch >= 0 and self.checkpoint_every_epochs >= 0 and self.keep_checkpoints > 0
-                and self.checkpoint_every_steps >= 0,
-                "train.max_steps_per_epoch, train.checkpoint_every_epochs and train.checkpoint_every_steps must be "
-                ">= 0, train.keep_checkpoints > 0")
-        require(self.max_skipped_steps > 0, f"train.max_skipped_steps: must be > 0, got {self.max_skipped_steps}")
-        require(self.calibration_rounds >= 1, f"train.calibration_rounds: must be >= 1, got {self.calibration_rounds}")
-        require(self.calibration_budget > 0, f"train.calibration_budget: must be > 0, got {self.calibration_budget}")
-        require(self.preempt_grace_s > 0 and self.preempt_check_every_steps > 0,
-                "train.preempt_grace_s and train.preempt_check_every_steps must be > 0")
-
-    def should_resume(self) -> bool:
-        """Whether this start resumes: asked for, or (auto) a torchrun restart or a requeued Slurm job."""
-        if self.resume == "auto":
-            return any(int(os.environ.get(name, "0") or 0) > 0
-                       for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
-        return bool(self.resume)
-
-
-class RunConfig(Protocol):
-    """The sections of a root config the Trainer reads (a recipe's `Config`, or `LoopConfig`)."""
-
-    train: TrainConfig
-    schedule: ScheduleConfig
-    log: LogConfig
-
-
-@dataclass
-class LoopConfig:
-    """A root config of only the sections the Trainer reads: for a Trainer built without a recipe (tests,
-    benchmarks, the GPU check)."""
-
-    train: TrainConfig = field(default_factory=TrainConfig)
-    """Epochs, precision, checkpoints."""
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    """Learning rate, momentum and phases."""
-    log: LogConfig = field(default_factory=LogConfig)
-    """Outputs."""
-
-
-@dataclass
-class Components:
-    """The runtime objects a Trainer drives, built from the other sections (`trainer.run` builds them)."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    comm: Communicator
-    metrics: MetricsLogger = field(default_factory=lambda: MetricsLogger([]))
-    """Rank 0's writers; the null logger writes nothing."""
-    guard: ReplicaGuard | None = None
-    """The replica-consistency check (dist.check_every_steps); None = never."""
-
-
-@dataclass
-class Meter:
-    """Items trained and seconds waited for data since `start`: over an epoch, or over a logging window."""
-
-    start: float = field(default_factory=time.perf_counter)
-    units: int = 0
-    data_s: float = 0.0
-    steps: int = 0
-
-    def add(self, units: int, waited_s: float) -> None:
-        self.units, self.data_s, self.steps = self.units + units, self.data_s + waited_s, self.steps + 1
-
-
-def timed_next(batches: Iterator[Any]) -> tuple[Any, float]:
-    """The next batch (None at the end) and the seconds spent waiting for it."""
-    start = time.perf_counter()
-    batch = next(batches, None)
-    return batch, time.perf_counter() - start
-
-
-class ProgressLines:
-    """The progress bar's stand-in where output goes to a file: one line every `every` steps, e.g.
-    `step 120/1000 (12%) 3.1 steps/s, 4m 44s left  epoch=1 loss=2.310 lr=0.1`, on stderr (the stream the bar
-    would draw on, and the one whose terminal check chose the lines)."""
-
-    def __init__(self, total: int, initial: int, every: int) -> None:
-        self.total, self.n, self.every = total, initial, every
-        self.start, self.start_n = time.perf_counter(), initial
-        self.postfix = ""
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if self.n % self.every == 0 or self.n == self.total:
-            rate = (self.n - self.start_n) / max(1e-9, time.perf_counter() - self.start)
-            left = (self.total - self.n) / rate if rate > 0 else 0.0
-            minutes, seconds = divmod(int(left), 60)
-            print(f"step {self.n}/{self.total} ({100 * self.n / max(1, self.total):.0f}%) {rate:.3g} steps/s, "
-                  f"{minutes}m {seconds:02d}s left  {self.postfix}".rstrip(), file=sys.stderr, flush=True)
-
-    def set_postfix(self, **values: Any) -> None:
-        self.postfix = " ".join(f"{k}={v}" for k, v in values.items())
-
-    def close(self) -> None:
-        pass
+from trainer.train_config import Components, RunConfig
 
 
 class Trainer:
-    """Runs the schedule's phases over a `Task`; all training state lives here and is checkpointable.
+    """Runs the schedule's phases over a `Task`; all training state lives here and is checkpointable (the loop's
+    position in `state_dict`; the `Checkpointer` saves it with the model, optimizer, scaler, task and comm).
 
     `cfg` is the run's root config: the Trainer reads its `train`, `schedule` and `log` sections and
     stores all of it in every checkpoint."""
@@ -274,333 +62,47 @@ class Trainer:
         # with the scaler's `found_inf` tensor set on it during the call, which the hook reads (the one sync).
         self._stepped = False
         self.optimizer.register_step_post_hook(self._on_optimizer_step)
-        self.writer = CheckpointWriter(Path(cfg.log.dir) / "checkpoints", topo.rank, topo.world_size,
-                                       cfg.train.keep_checkpoints)
-        self.token = ""
-        """This attempt's mark on its checkpoint records (set in `fit`, equal on every rank)."""
-        self.last_checkpoint_step = -1
-        self.checkpoints_started = 0
-        self.preempt_signal: int | None = None
-        """The stop signal this rank received (SIGTERM, SIGUSR1), if any."""
-        self.preempted_ranks = 0
-        self.watchdog: threading.Timer | None = None
-        """The grace timer (train.preempt_grace_s), armed by a stop signal or by the ranks' agreement on one."""
-        self._handler_pid = os.getpid()
+        self.checkpointer = Checkpointer(cfg.train, Path(cfg.log.dir) / "checkpoints", topo, self, self.run_config)
+        self.preemption = Preemption(topo, cfg.train.preempt_grace_s, cfg.train.preempt_check_every_steps)
         # State (checkpointed): next epoch and the steps of it already done, global step, wall-clock seconds
         # so far, eval history, target time, steps the loss scaler skipped.
         self.epoch, self.step_in_epoch, self.step, self.elapsed_s = 0, 0, 0, 0.0
         self.history: list[dict] = []
         self.time_to_target_s: float | None = None
         self.skipped_steps, self.skipped_in_a_row = 0, 0
-        self.checkpoint_s = 0.0
         self._clock = time.perf_counter()
 
     # ------------------------------------------------------------ state
 
-    def shared_state(self, comm: dict[str, Any]) -> dict:
-        """Rank 0's part of a checkpoint besides the model: what is equal on every rank (the optimizer's state,
-        from averaged gradients), the loop's position (also in samples: a resume on another world size
-        continues the data order), and the plain entries of the communicator's state `comm` (its tensors are
-        per rank)."""
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's checkpointed state: its position (also in samples: a resume on another world size
+        continues the data order), wall-clock seconds, evaluation history, target time, skipped steps."""
         phase = self.schedule.phase(min(self.epoch, self.train_cfg.epochs - 1))
-        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                "task": self.task.state_dict(),
-                "trainer": {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
-                            "steps_per_epoch": self.steps_per_epoch(phase),
-                            "samples_in_epoch": self.step_in_epoch * phase.batch_size, "step": self.step,
-                            "elapsed_s": self.elapsed_s, "history": self.history,
-                            "time_to_target_s": self.time_to_target_s, "skipped_steps": self.skipped_steps,
-                            "world_size": self.topo.world_size},
-                "comm_shared": {k: v for k, v in comm.items() if not holds_tensors(v)},
-                "comm_per_rank": sorted(k for k, v in comm.items() if holds_tensors(v)),
-                "comm_layout": self.comm_layout(),
-                "choices": None if self.decision is None else {k: v for k, v in self.decision.choice.items()
-                                                                if k not in NOT_CHECKPOINTED},
-                "config": self.run_config}
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                "steps_per_epoch": self.steps_per_epoch(phase),
+                "samples_in_epoch": self.step_in_epoch * phase.batch_size, "step": self.step,
+                "elapsed_s": self.elapsed_s, "history": self.history, "time_to_target_s": self.time_to_target_s,
+                "skipped_steps": self.skipped_steps, "world_size": self.topo.world_size}
 
-    def checkpoint_files(self) -> dict[str, Any]:
-        """This rank's files of a checkpoint: its own state; on rank 0 also the model and the shared state. The
-        rank file is made of copies already (the communicator's state_dict copies its residuals to host memory,
-        the generators' states are new tensors): a background write need not snapshot it again."""
-        comm = self.comm.state_dict()  # once: the residuals are copied to host memory here, and only here
-        files: dict[str, Any] = {rank_file(self.topo.rank): {
-            "rank": self.topo.rank, "world_size": self.topo.world_size, "comm": comm,
-            "rng": rng_state(self.topo.device)}}
-        if self.topo.is_main:
-            files[MODEL] = self.model.state_dict()
-            files[SHARED] = self.shared_state(comm)
-        return files
-
-    def maybe_resume(self) -> str | None:
-        """When resuming (train.resume): the newest checkpoint whose manifest and files verify on every rank.
-        Each rank checks and reads only the model, the shared state and its own rank file; a checkpoint one
-        rank finds torn is skipped by all of them."""
-        if not self.train_cfg.should_resume():
-            return None
-        folder = self.writer.folder
-        names = [d.name for d in step_dirs(folder)] if self.topo.is_main else None
-        if self.topo.distributed:  # the same candidates on every rank, even if a listing races a writer
-            names = self.topo.world.broadcast_object(names, src=0)
-        for name in names:
-            ckpt_dir = folder / name
-            problem, manifest = "", None
-            try:
-                manifest = read_manifest(ckpt_dir)
-                mine = [MODEL, SHARED] + ([rank_file(self.topo.rank)] if self.topo.rank < manifest["world_size"]
-                                          else [])
-                verify_files(ckpt_dir, manifest, mine)
-            except CorruptCheckpointError as e:
-                problem = str(e)
-            problems = self.topo.world.gather_object(problem) if self.topo.distributed else [problem]
-            problem = next((p for p in problems if p), "") if self.topo.is_main else None
-            if self.topo.distributed:
-                problem = self.topo.world.broadcast_object(problem, src=0)
-            if problem:
-                if self.topo.is_main:
-                    warnings.warn(f"skipping checkpoint: {problem}", stacklevel=2)
-                    print(f"skipping checkpoint: {problem}", flush=True)
-                continue
-            self.load_checkpoint(ckpt_dir, manifest)
-            return str(ckpt_dir)
-        return None
-
-    def load_checkpoint(self, ckpt_dir: Path, manifest: dict) -> None:
-        """Restore a verified checkpoint on this rank. On another world size than the one that wrote it, the
-        model, optimizer, loss scaler and position (`replan_position`) are restored, the communicator's per-rank
-        tensors (error-feedback residuals) are dropped, and ranks without a saved state seed their generators
-        from train.seed; rank 0 warns saying exactly that. On the same world size under another communicator
-        layout (`comm_layout`: ranks per node, communicator, buckets) only the residuals are dropped, with a
-        warning."""
-        self.model.load_state_dict(load_file(ckpt_dir, MODEL, verify=False))
-        shared = load_file(ckpt_dir, SHARED, verify=False)
-        if shared.get("choices") is not None:  # the interrupted run's choices: it trains on as it would have
-            self.decision = Decision(shared["choices"], "checkpoint")
-        self.settle_choices()  # before the loss scaler's state: fp16 or not decides which scaler loads it
-        self.optimizer.load_state_dict(shared["optimizer"])
-        self.scaler.load_state_dict(shared["scaler"])
-        self.task.load_state_dict(shared["task"])
-        t = shared["trainer"]
-        self.epoch, self.step_in_epoch, self.step = t["epoch"], t["step_in_epoch"], t["step"]
-        self.elapsed_s, self.history, self.time_to_target_s = t["elapsed_s"], t["history"], t["time_to_target_s"]
-        self.skipped_steps = t["skipped_steps"]
-        saved_world, rank = manifest["world_size"], self.topo.rank
-        mine = load_file(ckpt_dir, rank_file(rank), verify=False) if rank < saved_world else None
-        layout_then, layout = shared.get("comm_layout"), self.comm_layout()
-        if saved_world == self.topo.world_size and layout_then == layout:
-            self.comm.load_state_dict(mine["comm"])
-            set_rng_state(mine["rng"], self.topo.device)
-            return
-        fresh = self.comm.state_dict()  # the residuals follow the ranks and buckets that wrote them: zero ones
-        fresh.update(shared["comm_shared"])
-        self.comm.load_state_dict(fresh)
-        if mine is not None:
-            set_rng_state(mine["rng"], self.topo.device)
-        else:
-            seed_rank(self.train_cfg.seed, rank, self.step)
-        if saved_world == self.topo.world_size:
-            if self.topo.is_main:
-                self.warn_layout_changed(ckpt_dir, manifest, shared, layout_then, layout)
-            return
-        position = self.replan_position(t)
-        if self.topo.is_main:
-            self.warn_world_size_changed(ckpt_dir, manifest, shared, position)
-
-    def comm_layout(self) -> dict[str, Any]:
-        """What the communicator's per-rank state is laid out by: ranks per node (a hierarchical shard per local
-        rank), the communicator's class and its buckets (sizes, in order). Residuals saved under another layout
-        do not fit and are dropped at resume."""
-        buckets = [bucket.numel for bucket in getattr(self.comm, "buckets", [])]
-        return {"ranks_per_node": self.topo.ranks_per_node, "comm": type(self.comm).__name__,
-                "buckets": hashlib.sha256(json.dumps(buckets).encode()).hexdigest()[:16]}
-
-    def dropped_comm_state(self, manifest: dict, shared: dict) -> str:
-        """The warning's words for the communicator's per-rank state dropped at resume."""
-        saved = manifest["world_size"]
-        rank_bytes = sum(manifest["files"][rank_file(r)]["bytes"] for r in range(saved))
-        dropped = shared["comm_per_rank"]
-        return (f"dropped the communicator's per-rank state {dropped} (error-feedback residuals) of all {saved} "
-                f"ranks ({rank_bytes / 1e6:.2f} MB of rank files): every rank starts with zero residuals"
-                if dropped else "the communicator had no per-rank tensors to drop")
-
-    def warn_layout_changed(self, ckpt_dir: Path, manifest: dict, shared: dict, then: dict | None,
-                            now: dict) -> None:
-        """Rank 0's account of a resume on the same number of ranks under another communicator layout."""
-        then = then or {}
-        changed = ", ".join(f"{key} {then.get(key, 'unrecorded')} -> {now[key]}" for key in now
-                            if then.get(key) != now[key])
-        warnings.warn(f"resuming {ckpt_dir} on the same {self.topo.world_size} ranks but another communicator "
-                      f"layout ({changed}): model, optimizer, loss scaler, step {self.step}, data position and "
-                      f"random generators restored; {self.dropped_comm_state(manifest, shared)}", stacklevel=2)
-
-    def replan_position(self, saved: dict) -> str:
-        """Where the unfinished epoch continues on another world size (from the saved loop state `saved`), said
-        in words. Where the epoch has as many steps as before (the global batch is fixed in samples), the same
-        samples: the same step. Where the task plans its batches per world size (token-batched translation:
-        a fixed number of tokens per rank), the rest of the epoch is re-planned and continues at the same share
-        of the epoch."""
-        phase = self.schedule.phase(min(self.epoch, self.train_cfg.epochs - 1))
-        steps, steps_then = self.steps_per_epoch(phase), saved.get("steps_per_epoch")
-        if steps_then is None or steps_then == steps:
-            self.step_in_epoch = saved["samples_in_epoch"] // phase.batch_size
-            return (f"data position kept: sample {saved['samples_in_epoch']} of epoch {self.epoch} = step "
-                    f"{self.step_in_epoch} at global batch {phase.batch_size}")
-        self.step_in_epoch = min(steps, round(saved["step_in_epoch"] * steps / steps_then))
-        return (f"the rest of epoch {self.epoch} is re-planned for {self.topo.world_size} ranks ({steps} steps "
-                f"instead of {steps_then}): it continues at step {self.step_in_epoch} (step "
-                f"{saved['step_in_epoch']} before, the same share of the epoch), so in this epoch some pairs may be "
-                "trained twice and some skipped")
-
-    def warn_world_size_changed(self, ckpt_dir: Path, manifest: dict, shared: dict, position: str) -> None:
-        """Rank 0's account of a resume on another number of ranks: what was kept, dropped and re-seeded."""
-        saved, world = manifest["world_size"], self.topo.world_size
-        comm = self.dropped_comm_state(manifest, shared)
-        rng = (f"{ranks(saved, world - 1)} seeded random generators from train.seed, {ranks(0, saved - 1)} "
-               "restored theirs" if world > saved else f"{ranks(0, world - 1)} restored their random generators")
-        warnings.warn(f"resuming {ckpt_dir}, written by {saved} ranks, on {world} ranks: model, optimizer, loss "
-                      f"scaler and step {self.step} restored; {comm}; {rng}; {position}", stacklevel=2)
-
-    def should_checkpoint_step(self) -> bool:
-        """Every train.checkpoint_every_steps optimizer steps (never when 0)."""
-        every = self.train_cfg.checkpoint_every_steps
-        return bool(every) and self.step % every == 0
-
-    def should_checkpoint_epoch(self, last: bool) -> bool:
-        """After `self.epoch` was advanced: every checkpoint_every_epochs, and at the end if any are written."""
-        every, every_steps = self.train_cfg.checkpoint_every_epochs, self.train_cfg.checkpoint_every_steps
-        return (bool(every) and self.epoch % every == 0) or (last and bool(every or every_steps))
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved, the position as saved (`Checkpointer.replan_position` adapts it to
+        another world size)."""
+        self.epoch, self.step_in_epoch, self.step = state["epoch"], state["step_in_epoch"], state["step"]
+        self.elapsed_s, self.history = state["elapsed_s"], state["history"]
+        self.time_to_target_s, self.skipped_steps = state["time_to_target_s"], state["skipped_steps"]
 
     def checkpoint(self, background: bool | None = None) -> None:
-        """Collective: every rank writes its own files of the checkpoint, then rank 0 the manifest; if any rank
-        cannot (a full disk), all ranks stop together with the previous checkpoints intact (and the failed
-        folder removed). In the background (train.checkpoint_in_background, unless `background` says
-        otherwise) each rank snapshots its state to host memory and a thread writes it; rank 0's thread writes
-        the manifest once every rank's record is there. The seconds on the training thread are counted in
-        `time/checkpoint_s` (inside the time-to-accuracy clock)."""
-        start = time.perf_counter()
-        background = self.train_cfg.checkpoint_in_background if background is None else background
-        self.elapsed_s = start - self._clock
-        # The previous background write is complete everywhere (rank 0's manifest and pruning included) before
-        # any rank starts the next one: pruning never meets a folder being written.
-        self.wait_for_checkpoints()
-        broadcast_module(self.model, self.topo, buffers_only=True)
-        self.checkpoints_started += 1
-        token = f"{self.token}-{self.checkpoints_started}"  # a rewrite of the same step is a new attempt
-        # Any failure (a full disk, a pickling error, MemoryError) is passed to every rank: raised on this one
-        # alone, it would leave the others waiting in their next collective.
-        error, ckpt_dir = "", self.writer.folder / step_dir_name(self.step)
-        if background:
-            try:  # the snapshot to host memory, here; the write's own failures come from wait_for_checkpoints
-                self.writer.write_in_background(self.step, self.checkpoint_files(), token,
-                                                copied=(rank_file(self.topo.rank),))
-            except Exception as e:  # noqa: BLE001
-                error = describe_error(e)
-            self.raise_if_checkpoint_failed(error)
-        else:
-            try:
-                self.writer.write(self.step, self.checkpoint_files(), token)
-            except Exception as e:  # noqa: BLE001
-                error = describe_error(e)
-            self.raise_if_checkpoint_failed(error, ckpt_dir)
-            if self.topo.is_main:
-                try:
-                    self.writer.finish(self.step, token)
-                except Exception as e:  # noqa: BLE001
-                    error = describe_error(e)
-            self.raise_if_checkpoint_failed(error, ckpt_dir)
-        self.last_checkpoint_step = self.step
-        self.checkpoint_s += time.perf_counter() - start
+        """Collective: a checkpoint of the run now, with the wall-clock seconds so far (`Checkpointer.save`)."""
+        self.elapsed_s = time.perf_counter() - self._clock
+        self.checkpointer.save(background)
 
-    def wait_for_checkpoints(self) -> None:
-        """Collective: wait for a background checkpoint write; all ranks stop together if one failed."""
-        error = ""
-        try:
-            self.writer.wait()
-        except CheckpointWriteError as e:
-            error = str(e)
-        self.raise_if_checkpoint_failed(error)
-
-    def raise_if_checkpoint_failed(self, error: str, ckpt_dir: Path | None = None) -> None:
-        """Collective: stop every rank if any rank's `error` is set (the others would otherwise wait in the
-        next collective); rank 0 first removes the unfinished `ckpt_dir`, whose writers are all done."""
-        (failed,) = all_reduce_sum([1.0 if error else 0.0], self.topo)
-        if not failed:
-            return
-        if ckpt_dir is not None and self.topo.is_main:
-            shutil.rmtree(ckpt_dir, ignore_errors=True)
-        raise CheckpointWriteError(f"step {self.step}: {error}; stopping (free space, or point log.dir elsewhere, "
-                                   "then resume)" if error else
-                                   f"step {self.step}: {int(failed)} rank(s) could not write their part of the "
-                                   "checkpoint (their errors say why); stopping with the previous checkpoints intact")
-
-    # ------------------------------------------------------------ preemption
-
-    def install_preemption_handlers(self) -> Callable[[], None]:
-        """Catch SIGTERM and SIGUSR1 (on the main thread): the handler only records the signal, the loop acts at
-        the next step end. Returns what restores the previous handlers. A process forked from this one (a
-        DataLoader worker) inherits the handler; there it does nothing (the worker ignores the signal and
-        ends with its loader), so that no worker arms a grace timer of its own."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        self._handler_pid = os.getpid()
-        previous = {sig: signal.signal(sig, self.on_preemption_signal) for sig in PREEMPT_SIGNALS}
-        return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]  # type: ignore[func-returns-value]
-
-    def on_preemption_signal(self, signum: int, frame: Any) -> None:
-        if os.getpid() != self._handler_pid or self.preempt_signal is not None:
-            return
-        self.preempt_signal = signum
-        self.arm_watchdog()
-
-    def arm_watchdog(self) -> None:
-        """Past train.preempt_grace_s from now, leave with the restartable status even without a checkpoint
-        (before the platform's SIGKILL, so that the launcher still sees a restartable exit)."""
-        if self.watchdog is not None:
-            return
-        self.watchdog = threading.Timer(self.train_cfg.preempt_grace_s, self.exit_after_grace)
-        self.watchdog.daemon = True
-        self.watchdog.start()
-
-    def cancel_watchdog(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.cancel()
-
-    def exit_after_grace(self) -> None:
-        what = (f"{signal.Signals(self.preempt_signal).name} received" if self.preempt_signal is not None else
-                "the ranks agreed a stop signal reached one of them")
-        print(f"rank {self.topo.rank}: {what} {self.train_cfg.preempt_grace_s:g} s ago and no checkpoint written "
-              f"since (train.preempt_grace_s); exiting with status {PREEMPTED_EXIT_CODE} without one",
-              file=sys.stderr, flush=True)
-        os._exit(PREEMPTED_EXIT_CODE)
-
-    def preemption_agreed(self) -> bool:
-        """Collective every train.preempt_check_every_steps steps: whether any rank was signalled. Once they
-        agree, every rank has a grace timer (the signalled ones since the signal, the others from now), so a
-        rank stuck in the stop's checkpoint exits with the restartable status too."""
-        if self.step % self.train_cfg.preempt_check_every_steps:
-            return False
-        if not self.topo.distributed:
-            return self.preempt_signal is not None
-        (signalled,) = all_reduce_sum([0.0 if self.preempt_signal is None else 1.0], self.topo)
-        self.preempted_ranks = int(signalled)
-        if signalled > 0:
-            self.arm_watchdog()
-        return signalled > 0
-
-    def stop_for_preemption(self, bar: Any) -> None:
-        """Collective: write a checkpoint now (unless this step's was just written), then leave every rank with
-        the restartable status."""
-        start = time.perf_counter()
-        if self.last_checkpoint_step != self.step:
+    def checkpoint_before_stop(self) -> None:
+        """Collective: this step's checkpoint in the foreground, unless it was just written (then the wait for
+        its background write)."""
+        if self.checkpointer.last_step != self.step:
             self.checkpoint(background=False)
         else:
-            self.wait_for_checkpoints()
-        bar.close()
-        self.cancel_watchdog()  # the checkpoint is complete: leave through the normal exit path
-        if self.topo.is_main:
-            print(f"preempted: a stop signal (SIGTERM/SIGUSR1) reached {max(1, self.preempted_ranks)} rank(s); "
-                  f"checkpoint of step {self.step} complete in {time.perf_counter() - start:.1f} s; exiting with "
-                  f"status {PREEMPTED_EXIT_CODE} (restartable: resume continues from it)", flush=True)
-        raise SystemExit(PREEMPTED_EXIT_CODE)
+            self.checkpointer.wait()
 
     # ------------------------------------------------------------ measured choices
 
@@ -734,29 +236,30 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to the end (or to the target); returns the run summary. A stop signal (SIGTERM, SIGUSR1)
-        during training ends it with a checkpoint and SystemExit(PREEMPTED_EXIT_CODE)."""
-        token = uuid.uuid4().hex
-        self.token = self.topo.world.broadcast_object(token, src=0) if self.topo.distributed else token
-        resumed_from = self.maybe_resume()
+        during training ends it with a checkpoint and SystemExit(PREEMPTED_EXIT_CODE) (trainer/preemption.py)."""
+        resumed_from = self.checkpointer.load_latest()
         if resumed_from is None:
             broadcast_module(self.model, self.topo)
             self.settle_choices()
         self.record_choices()
-        self.print_plan(resumed_from)
+        print_plan(self.topo, self.model, self.amp_dtype, self.task, self.schedule, self.steps_per_epoch,
+                   resumed_from and f"resumed from {resumed_from} at epoch {self.epoch}, step {self.step}")
         untrained = self.test("untrained") if resumed_from is None else {}
-        restore_handlers = self.install_preemption_handlers()
+        restore_handlers = self.preemption.install()
         try:
-            bar = self.progress_bar()
+            bar = build_progress_bar([self.steps_per_epoch(self.schedule.phase(e)) for e in range(self.train_cfg.epochs)],
+                                     self.epoch, self.step_in_epoch, self.topo.is_main and self.log_cfg.progress,
+                                     self.log_cfg.every_steps)
             self._clock = time.perf_counter() - self.elapsed_s
             stop = self.time_to_target_s is not None and self.train_cfg.stop_at_target
             while self.epoch < self.train_cfg.epochs and not stop:
                 stop = self.run_epoch(self.schedule.phase(self.epoch), bar)
             bar.close()
-            self.wait_for_checkpoints()
+            self.checkpointer.wait()
         finally:
             # Training is over (its last checkpoint complete): a signal from here on is the platform's to act
             # on, and no grace timer outlives the loop.
-            self.cancel_watchdog()
+            self.preemption.cancel_watchdog()
             restore_handlers()
         return self.finish_summary(untrained, self.test("trained"))
 
@@ -777,7 +280,7 @@ class Trainer:
                                                  if k.startswith("eval/") and k != "eval/loss"})
         self.log_epoch(record, epoch_start)
         self.epoch, self.step_in_epoch = self.epoch + 1, 0
-        if self.should_checkpoint_epoch(last or stop):
+        if self.checkpointer.should_save_epoch(self.epoch, last or stop):
             self.checkpoint()
         return stop
 
@@ -801,10 +304,10 @@ class Trainer:
             if self.should_log():
                 self.log_step(self.epoch + i / steps, loss, lr, momentum, comm_stats, window, bar)
                 window = Meter()
-            if self.should_checkpoint_step():
+            if self.checkpointer.should_save_step(self.step):
                 self.checkpoint()
-            if self.preemption_agreed():
-                self.stop_for_preemption(bar)
+            if self.preemption.agreed(self.step):
+                self.preemption.stop(self.step, self.checkpoint_before_stop, bar)
         if hasattr(batches, "close"):
             batches.close()  # let the task's generator release its loader state now
         seconds = time.perf_counter() - epoch.start
@@ -854,51 +357,19 @@ class Trainer:
             **({} if momentum is None else {"schedule/momentum": momentum}),
             f"time/{self.task.unit}_per_s": units / (time.perf_counter() - window.start),
             "time/data_wait_s": window.data_s / max(1, window.steps), "train/skipped_steps": self.skipped_steps,
-            **{f"comm/{k}": v for k, v in comm_stats.items()}, **self.optimizer_metrics()})
+            **{f"comm/{k}": v for k, v in comm_stats.items()}, **optimizer_metrics(self.optimizer)})
         bar.set_postfix(epoch=self.epoch, loss=f"{value:.3f}", lr=f"{lr:.3g}")
 
     def log_epoch(self, record: dict[str, float], epoch_start: float) -> None:
         """The epoch record, with times and the task's counters; evaluations also go into the history."""
         self.elapsed_s = time.perf_counter() - self._clock
         record.update({"time/epoch_s": time.perf_counter() - epoch_start, "time/elapsed_s": self.elapsed_s,
-                       "time/checkpoint_s": self.checkpoint_s, "train/skipped_steps": self.skipped_steps})
+                       "time/checkpoint_s": self.checkpointer.seconds, "train/skipped_steps": self.skipped_steps})
         record.update(self.task.stats())  # e.g. cache hits/misses per level, skipped images (this rank)
         if any(k.startswith("eval/") for k in record):
             self.history.append({k: v for k, v in record.items()
                                  if k in ("epoch", "time/elapsed_s") or k.startswith("eval/")})
         self.metrics.log("epoch", self.step, record)
-
-    def optimizer_metrics(self) -> dict[str, float]:
-        """The optimizer's own per-step scalars (e.g. FusedLARS's clipped trust ratios), read on log steps."""
-        read = getattr(self.optimizer, "step_metrics", None)
-        return {name: float(value) for name, value in read().items()} if read is not None else {}
-
-    def progress_bar(self) -> tqdm | ProgressLines:
-        """Steps over the whole run on rank 0 (log.progress), starting where a resumed run left off: a tqdm bar
-        on a terminal; in a log file (stderr not a terminal: Slurm, nohup, CI) a plain line on stderr every
-        log.every_steps steps instead of a bar redrawn into the file."""
-        steps = [self.steps_per_epoch(self.schedule.phase(e)) for e in range(self.train_cfg.epochs)]
-        total = sum(steps)
-        done = min(total, sum(steps[:self.epoch]) + self.step_in_epoch)
-        show = self.topo.is_main and self.log_cfg.progress
-        if show and not sys.stderr.isatty():
-            return ProgressLines(total, done, self.log_cfg.every_steps)
-        return tqdm(total=total, initial=done, unit="step", dynamic_ncols=True, disable=not show)
-
-    def print_plan(self, resumed_from: str | None) -> None:
-        """Derived sizes, printed once on rank 0."""
-        if not self.topo.is_main:
-            return
-        t = self.topo
-        n_params = sum(p.numel() for p in self.model.parameters())
-        print(f"world {t.world_size} = {t.num_nodes} node(s) x {t.ranks_per_node} rank(s) on {t.device}; "
-              f"amp {self.amp_dtype}; {n_params / 1e6:.2f} M parameters")
-        for p in self.phases:
-            print(f"  epochs {p.start_epoch:>3}-{p.end_epoch - 1:<3} {self.task.describe(p)}  "
-                  f"{self.steps_per_epoch(p)} steps/epoch")
-        print("  " + self.schedule.describe(lambda e: self.steps_per_epoch(self.schedule.phase(e))))
-        if resumed_from:
-            print(f"resumed from {resumed_from} at epoch {self.epoch}, step {self.step}")
 
     def finish_summary(self, untrained: dict[str, float], trained: dict[str, float]) -> dict[str, Any]:
         """The run's summary: `final` is the last evaluation, `final_<name>`/`target_<name>` per task target,
@@ -908,7 +379,7 @@ class Trainer:
                    "time_to_target_s": self.time_to_target_s,
                    **{f"target_{name}": value for name, value in self.task.targets.items()},
                    **{f"final_{name}": final.get(f"eval/{name}") for name in self.task.targets},
-                   "final": final, "skipped_steps": self.skipped_steps, "checkpoint_s": self.checkpoint_s,
+                   "final": final, "skipped_steps": self.skipped_steps, "checkpoint_s": self.checkpointer.seconds,
                    "world_size": self.topo.world_size, "history": self.history,
                    "choices": None if self.decision is None else self.decision.to_dict(),
                    **{f"test_{name}_untrained": untrained.get(name) for name in trained},

@@ -118,6 +118,12 @@ def set_lr_momentum(optimizer: torch.optim.Optimizer, lr: float, momentum: float
             g["momentum"] = momentum
 
 
+def optimizer_metrics(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """The optimizer's own per-step scalars (e.g. FusedLARS's clipped trust ratios; none for torch's own)."""
+    read = getattr(optimizer, "step_metrics", None)
+    return {name: float(value) for name, value in read().items()} if read is not None else {}
+
+
 def maybe_clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
     """Clip before every update, as a step pre-hook: it runs after the communicator averaged the gradients
     and after the GradScaler unscaled them, and not at all on a step the scaler skips (inf/NaN)."""

@@ -2,7 +2,7 @@
 the result → close, in `finally`. Every recipe's `main` is this, given its config class and builders:
 
     def main(argv: list[str] | None = None) -> dict:
-        return run(Config, build_data, build_task, argv, prog="python -m recipes.resnet50")
+        return run(Config, build_data, build_task, argv, prog="python -m recipes.transformer")
 
 The recipe builds what is its own (data, model, parameter groups, the task); this module builds what every
 run shares (communicator, metrics, replica guard, the Trainer) from the config's sections.
@@ -22,12 +22,13 @@ from trainer.comm import build_communicator
 from trainer.config import ConfigError, save_config
 from trainer.devices import gpu_requests, require_cuda_for
 from trainer.dist import ReplicaGuard, Topology, setup_distributed, teardown_distributed
-from trainer.loop import Components, Trainer
+from trainer.loop import Trainer
 from trainer.metrics import RUN_OUTPUTS, build_metrics
 from trainer.precision import amp_candidates
 from trainer.rng import seed_everything
 from trainer.run_record import write_run_record
 from trainer.task import Task
+from trainer.train_config import Components
 
 C = TypeVar("C")
 D = TypeVar("D")

@@ -94,6 +94,14 @@ def check_phases(phases: list[Phase], epochs: int) -> None:
             "make them equal")
 
 
+def check_phase_table(phases: list[Phase], epochs: int, who: str) -> None:
+    """For `who` (a recipe whose image size and batch come from the phase table): at least one phase, and the
+    phases tile [0, epochs) (`check_phases`)."""
+    require(bool(phases), f"schedule.phases: {who} needs at least one phase (image_size and batch_size per epoch "
+                          "range)")
+    check_phases(phases, epochs)
+
+
 def get_phase(phases: list[Phase], epoch: int) -> Phase:
     """The phase that contains `epoch` (phases are contiguous; the last one extends to the end)."""
     for p in phases:

@@ -16,6 +16,8 @@ import torch
 import torchvision
 from torch import nn
 
+from trainer.config import ConfigError, require
+
 CLASSIFIER = ("fc.weight", "fc.bias")
 """The ResNet's last layer, whose shape depends on the number of classes."""
 
@@ -110,3 +112,29 @@ def load_pretrained(model: nn.Module, arch: str, path: str = "") -> str:
     model.load_state_dict({k: v for k, v in state.items() if k not in CLASSIFIER}, strict=False)
     return (f"model.init=torchvision: started from {file}; the classifier stays newly initialised "
             f"({num_classes_of(own)} classes, the weights have {theirs})")
+
+
+def check_init(init: str, arch: str, path: str) -> None:
+    """model.init and model.init_weights, before any work: a weights file is named only with init=torchvision,
+    and with it torchvision's `arch` weights must be on this machine (`local_weights`); a ConfigError if not."""
+    require(init == "torchvision" or not path, "model.init_weights: only read with model.init=torchvision")
+    if init == "torchvision":
+        try:
+            local_weights(arch, path)
+        except (FileNotFoundError, WeightsMismatchError) as e:
+            raise ConfigError(str(e)) from None
+
+
+def maybe_init_from_torchvision(model: nn.Module, init: str, arch: str, path: str, verbose: bool = False) -> nn.Module:
+    """`model` (a torchvision `arch`) started from torchvision's pretrained weights when `init` is torchvision
+    (`load_pretrained`; weights that do not fit are a ConfigError), else as it is; `verbose` prints what was
+    loaded."""
+    if init != "torchvision":
+        return model
+    try:
+        loaded = load_pretrained(model, arch, path)
+    except WeightsMismatchError as e:
+        raise ConfigError(str(e)) from None
+    if verbose:
+        print(loaded)
+    return model

@@ -21,9 +21,9 @@ from trainer.choices import Probe
 from trainer.config import require
 from trainer.decoding import Search, Seq2Seq, evaluate_bleu
 from trainer.dist import Topology, all_reduce_sum
-from trainer.loop import TrainConfig
 from trainer.schedules import Phase
 from trainer.task import Task
+from trainer.train_config import TrainConfig
 
 
 def translation_loss(model: nn.Module, batch: TranslationBatch, label_smoothing: float) -> tuple[torch.Tensor, int]:

@@ -1,0 +1,108 @@
+"""Preemption: SIGTERM or SIGUSR1 (a spot instance's notice, Slurm's `--signal`) makes every rank finish its
+step, write a checkpoint together and exit with PREEMPTED_EXIT_CODE, which torchrun restarts and Slurm can
+requeue; a grace timer (train.preempt_grace_s) makes a rank that cannot get there exit with that status anyway.
+
+The signal handler only records the signal; the ranks agree on it at step ends (`Preemption.agreed`) and
+`Preemption.stop` leaves after the stop's checkpoint. More in docs/reliability.md ("Preemption").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, NoReturn
+
+from trainer.dist import Topology, all_reduce_sum
+
+PREEMPTED_EXIT_CODE = 75
+"""The exit status after a stop signal and its checkpoint: EX_TEMPFAIL of sysexits.h ("try again later").
+torchrun --max-restarts restarts on any non-zero status but never passes it on (it exits 1): under torchrun
+the batch script requeues explicitly (scripts/slurm/); without torchrun, Slurm's RequeueExit=75 requeues it
+(docs/reliability.md)."""
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preemption:
+    """This rank's stop signals: the handler, the grace timer and the ranks' agreement, for `grace_s`
+    (train.preempt_grace_s) and a check every `check_every_steps` steps (train.preempt_check_every_steps)."""
+
+    def __init__(self, topo: Topology, grace_s: float, check_every_steps: int) -> None:
+        self.topo, self.grace_s, self.check_every_steps = topo, grace_s, check_every_steps
+        self.signal: int | None = None
+        """The stop signal this rank received (SIGTERM, SIGUSR1), if any."""
+        self.ranks = 0
+        """How many ranks were signalled, as of the last agreement."""
+        self.watchdog: threading.Timer | None = None
+        """The grace timer, armed by a stop signal or by the ranks' agreement on one."""
+        self._handler_pid = os.getpid()
+
+    def install(self) -> Callable[[], None]:
+        """Catch SIGTERM and SIGUSR1 (on the main thread): the handler only records the signal, the loop acts at
+        the next step end. Returns what restores the previous handlers. A process forked from this one (a
+        DataLoader worker) inherits the handler; there it does nothing (the worker ignores the signal and
+        ends with its loader), so that no worker arms a grace timer of its own."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        self._handler_pid = os.getpid()
+        previous = {sig: signal.signal(sig, self.on_signal) for sig in PREEMPT_SIGNALS}
+        return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]  # type: ignore[func-returns-value]
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        """The signal handler: record the first stop signal and arm the grace timer."""
+        if os.getpid() != self._handler_pid or self.signal is not None:
+            return
+        self.signal = signum
+        self.arm_watchdog()
+
+    def arm_watchdog(self) -> None:
+        """Past the grace seconds from now, leave with the restartable status even without a checkpoint
+        (before the platform's SIGKILL, so that the launcher still sees a restartable exit)."""
+        if self.watchdog is not None:
+            return
+        self.watchdog = threading.Timer(self.grace_s, self.exit_after_grace)
+        self.watchdog.daemon = True
+        self.watchdog.start()
+
+    def cancel_watchdog(self) -> None:
+        """Stop the grace timer, if one is running."""
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+
+    def exit_after_grace(self) -> None:
+        """The grace timer's end: exit this process at once with the restartable status."""
+        what = (f"{signal.Signals(self.signal).name} received" if self.signal is not None else
+                "the ranks agreed a stop signal reached one of them")
+        print(f"rank {self.topo.rank}: {what} {self.grace_s:g} s ago and no checkpoint written since "
+              f"(train.preempt_grace_s); exiting with status {PREEMPTED_EXIT_CODE} without one",
+              file=sys.stderr, flush=True)
+        os._exit(PREEMPTED_EXIT_CODE)
+
+    def agreed(self, step: int) -> bool:
+        """Collective at every `check_every_steps`-th `step`: whether any rank was signalled. Once they agree,
+        every rank has a grace timer (the signalled ones since the signal, the others from now), so a rank stuck
+        in the stop's checkpoint exits with the restartable status too."""
+        if step % self.check_every_steps:
+            return False
+        if not self.topo.distributed:
+            return self.signal is not None
+        (signalled,) = all_reduce_sum([0.0 if self.signal is None else 1.0], self.topo)
+        self.ranks = int(signalled)
+        if signalled > 0:
+            self.arm_watchdog()
+        return signalled > 0
+
+    def stop(self, step: int, save: Callable[[], None], bar: Any) -> NoReturn:
+        """Collective: `save` (the stop's checkpoint of `step`), close the progress `bar`, then leave every rank
+        with the restartable status."""
+        start = time.perf_counter()
+        save()
+        bar.close()
+        self.cancel_watchdog()  # the checkpoint is complete: leave through the normal exit path
+        if self.topo.is_main:
+            print(f"preempted: a stop signal (SIGTERM/SIGUSR1) reached {max(1, self.ranks)} rank(s); "
+                  f"checkpoint of step {step} complete in {time.perf_counter() - start:.1f} s; exiting with "
+                  f"status {PREEMPTED_EXIT_CODE} (restartable: resume continues from it)", flush=True)
+        raise SystemExit(PREEMPTED_EXIT_CODE)
