@@ -53,6 +53,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import datasets, transforms
 
+from trainer.tta_stats import reached_at  # the bench reads the runs by the same rule
+
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet statistics, as in the reference presets
 
 
@@ -169,16 +171,6 @@ def param_groups(model: nn.Module, args: argparse.Namespace) -> list[dict[str, A
             {"params": norm, "weight_decay": args.norm_weight_decay}]
 
 
-def target_reached_at(top1: Sequence[float], target: float, consecutive: int) -> int | None:
-    """Index of the evaluation that completes the first run of `consecutive` evaluations at or above `target`."""
-    streak = 0
-    for i, acc in enumerate(top1):
-        streak = streak + 1 if acc >= target else 0
-        if streak >= consecutive:
-            return i
-    return None
-
-
 def build_scheduler(opt: torch.optim.Optimizer, args: argparse.Namespace) -> torch.optim.lr_scheduler.LRScheduler:
     """The reference's per-epoch schedule: linear warm-up, then cosine annealing to 0 or step decay."""
     main_epochs = args.epochs - args.lr_warmup_epochs
@@ -262,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 print(f"epoch {epoch:>3}  lr {lr:.4g}  loss {loss:.4f}  top-1 {record['eval/top1']:.4f}  "
                       f"{record['time/elapsed_s']:.1f} s", flush=True)
         # all-reduced accuracies: every rank takes the same decision
-        reached = bool(args.target_top1) and target_reached_at([h["eval/top1"] for h in history], args.target_top1,
+        reached = bool(args.target_top1) and reached_at([h["eval/top1"] for h in history], args.target_top1,
                                                                args.target_consecutive) is not None
         if reached and time_to_target is None:
             time_to_target = record["time/elapsed_s"]

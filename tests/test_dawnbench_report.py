@@ -1,4 +1,5 @@
-"""The DAWNBench report on real run folders: the ResNet recipe trained for real on the digits, one process."""
+"""The DAWNBench report (trainer/dawnbench_report.py, its command line scripts/dawnbench_report.py) on real run
+folders: the ResNet recipe trained for real on the digits, one process."""
 
 import csv
 import json
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from recipes.resnet50 import main as train
-from scripts.dawnbench_report import PUBLISHED, hms, main, report
+from scripts.dawnbench_report import main  # the command line, for its one-line errors
+from trainer.dawnbench import PUBLISHED
+from trainer.dawnbench_report import hms, report
 from tests.conftest import run_ranks
 from tests.test_trainer import TINY, phases
 

@@ -1,4 +1,5 @@
-"""The import structure of the packages: no cycles, imports flow down the layers, nothing imports scripts/.
+"""The import structure of the packages: no cycles, imports flow down the layers, nothing imports scripts/,
+and no production code (packages or scripts/) imports tests/.
 
 Read from the source (import statements, also those inside functions), nothing is imported. Layers, low to
 high (docs/architecture.md: `recipes → trainer → {data, trainer/comm, kernels}`, `trainer/comm → kernels`):
@@ -193,11 +194,18 @@ def test_imports_flow_down_the_layers(repo_imports):
     assert not violations, "imports against the layers:\n" + "\n".join(violations)
 
 
-def test_the_packages_do_not_import_scripts(repo_imports):
-    """scripts/ are command lines over the packages; logic they share lives in a package."""
+def test_the_packages_do_not_import_scripts_or_tests(repo_imports):
+    """scripts/ are command lines over the packages and tests/ check them; logic they share lives in a package."""
     bad = [f"{imp.where}: {imp.source} imports {imp.target}" for imp in repo_imports
-           if imp.target == "scripts" or imp.target.startswith("scripts.")]
-    assert not bad, "imports of scripts/:\n" + "\n".join(bad)
+           if imp.target in ("scripts", "tests") or imp.target.startswith(("scripts.", "tests."))]
+    assert not bad, "imports of scripts/ or tests/:\n" + "\n".join(bad)
+
+
+def test_scripts_do_not_import_tests():
+    """A command line runs without the test suite: nothing under scripts/ imports tests/."""
+    bad = [f"{imp.where}: {imp.source} imports {imp.target}" for imp in imports_of(ROOT, ("scripts",))
+           if imp.target == "tests" or imp.target.startswith("tests.")]
+    assert not bad, "imports of tests/ from scripts/:\n" + "\n".join(bad)
 
 
 def test_horovod_is_imported_only_when_chosen(repo_imports):

@@ -17,13 +17,14 @@ import torch
 import yaml
 from PIL import Image
 
-from scripts import tta_baseline
-from scripts.bench import tta
-from scripts.bench.tta import Run, bootstrap_interval, compare, launch, paired_ratio, plan, reached_at, read_run
-from scripts.make_tta_photos import VAL_SIDE, prepare, region_centres
-from scripts import plot_tta
-from scripts.plot_tta import first_reach, plot, read_curve
+from data.tta_photos import VAL_SIDE, prepare, region_centres
+from scripts import tta_baseline  # the baseline contender: a command line (parse_args, main) under test
+from scripts.bench import tta  # the bench's command line (main) and its runner
 from tests.conftest import ROOT, run_ranks
+from trainer import tta_plot
+from trainer.tta_plot import plot
+from trainer.tta_stats import (Run, bootstrap_interval, compare, first_reach, paired_ratio, reached_at, read_curve,
+                               read_run, seed_order)
 
 pytestmark = pytest.mark.unit
 
@@ -42,7 +43,7 @@ def test_target_needs_consecutive_evaluations():
     assert reached_at(top1, 0.9, 1) == 1
     assert reached_at(top1, 0.9, 3) == 5
     assert reached_at(top1, 0.96, 2) is None and reached_at([], 0.9, 2) is None
-    assert reached_at is tta_baseline.target_reached_at  # the baseline's own stop uses the same rule
+    assert tta_baseline.reached_at is reached_at  # the baseline's own stop uses the same rule
 
 
 def test_paired_ratio_counts_a_miss_as_infinitely_slow():
@@ -106,7 +107,7 @@ def test_compare_needs_both_sides_of_every_seed():
 
 
 def test_sides_alternate_from_seed_to_seed():
-    assert plan(100, 3) == [(100, "baseline"), (100, "recipe"), (101, "recipe"), (101, "baseline"),
+    assert seed_order(100, 3) == [(100, "baseline"), (100, "recipe"), (101, "recipe"), (101, "baseline"),
                             (102, "baseline"), (102, "recipe")]
 
 
@@ -227,7 +228,7 @@ def test_baseline_config_file(tmp_path, capsys):
     assert "unknown option(s) warmup" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- the plot (scripts/plot_tta.py) on real run folders
+# ---------------------------------------------------------------- the plot (trainer/tta_plot.py) on real run folders
 
 def test_first_reach():
     assert first_reach([1.0, 2.0, 3.0], [0.5, 0.98, 0.99], 0.98) == 2.0
@@ -248,7 +249,7 @@ def test_plot_draws_recorded_runs_of_both_sides(baseline_runs, tmp_path, monkeyp
     target line. The target is the stopped run's lowest top-1: that run is at it from its first evaluation on
     (two evaluations: the star must mark the first), exactly at it in one of them."""
     figures = []
-    monkeypatch.setattr(plot_tta.plt, "close", figures.append)  # plot() closes its figure: keep it to read back
+    monkeypatch.setattr(tta_plot.plt, "close", figures.append)  # plot() closes its figure: keep it to read back
     runs = {"baseline": baseline_runs["stopped"], "baseline, missed": baseline_runs["missed"]}
     curves = {label: history(run) for label, run in runs.items()}
     target = min(curves["baseline"][1])
@@ -257,7 +258,7 @@ def test_plot_draws_recorded_runs_of_both_sides(baseline_runs, tmp_path, monkeyp
     plot(list(runs.values()), tmp_path / "tta.png", target=target, labels=list(runs), colors=["tab:blue"] * 2)
     monkeypatch.undo()
     (fig,) = figures
-    plot_tta.plt.close(fig)  # its artists stay readable
+    tta_plot.plt.close(fig)  # its artists stay readable
     assert (tmp_path / "tta.png").is_file()
     (ax,) = fig.axes
     assert ax.get_xlabel() == "wall-clock time (s)" and ax.get_ylabel() == "validation top1 accuracy (%)"
@@ -336,7 +337,7 @@ for epoch, top1 in enumerate([0.5, 0.95, 0.8, 0.95, 0.96] + [0.97] * 10000):
 @pytest.mark.e2e
 def test_launch_ends_a_run_once_it_reached_the_target(tmp_path):
     run_dir = tmp_path / "run"
-    launch([sys.executable, "-c", FAKE_TRAINER, str(run_dir)], run_dir, 0.9, 2)  # would write records for ~30 min
+    tta.launch([sys.executable, "-c", FAKE_TRAINER, str(run_dir)], run_dir, 0.9, 2)  # would write records for ~30 min
     got = read_run("recipe", 0, run_dir, 0.9, 2, 1.0, 1.0, 1.0)
     assert got.epochs_to_target == 5 and got.time_to_target_s == 5.0 and got.epochs_run < 100
     worker = int((run_dir / "worker.pid").read_text())
@@ -352,7 +353,7 @@ def test_launch_ends_a_run_once_it_reached_the_target(tmp_path):
 def test_a_failed_launch_shows_the_command_status_and_log_tail(tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('rank 0: out of memory'); sys.exit(3)"]
     with pytest.raises(RuntimeError, match=r"(?s)exited with status 3; last lines of .*train.log:\nrank 0: out of mem"):
-        launch(cmd, tmp_path / "run", 0.9, 2)
+        tta.launch(cmd, tmp_path / "run", 0.9, 2)
     with pytest.raises(FileNotFoundError, match="no evaluated epoch; the recipe run failed"):
         read_run("recipe", 0, tmp_path / "run", 0.9, 2, 1.0, 1.0, 1.0)
 

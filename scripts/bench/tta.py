@@ -26,11 +26,12 @@ holds every tuning run as data, with the flags each one changed):
       train.channels_last, model.small_map_gemm all auto), tuned with its config keys; the seconds its measured
       choices take before its clock (none when this machine's cache has them) count in its time.
 
-Evaluation: fresh seeds (FRESH_SEEDS_FROM on; the tuning seeds are below it), the sides alternating which goes
-first from seed to seed so that drift in the machine's load falls on both; per seed the paired ratio recipe time
-/ baseline time; reported: the median of the paired ratios and a bootstrap 90% interval of that median (resampled
-seeds). A side that misses the target in a seed counts as infinitely slow there. The 1-minute load average is
-recorded before and after every run. `--quick`: 2 fresh seeds; the full run: 6.
+Evaluation (the statistics are trainer/tta_stats.py's): fresh seeds (FRESH_SEEDS_FROM on; the tuning seeds are
+below it), the sides alternating which goes first from seed to seed so that drift in the machine's load falls on
+both; per seed the paired ratio recipe time / baseline time; reported: the median of the paired ratios and a
+bootstrap 90% interval of that median (resampled seeds). A side that misses the target in a seed counts as
+infinitely slow there. The 1-minute load average is recorded before and after every run. `--quick`: 2 fresh
+seeds; the full run: 6.
 
 Timing, alike for both sides: each script's clock starts before its first epoch, once the process group, the
 model and the dataset listing exist; data loading and decoding, input-pipeline start-up, the recipe's cache fill
@@ -43,27 +44,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import yaml
 
 from scripts.bench import common
 from scripts.bench.common import print_table
-from scripts.tta_baseline import target_reached_at
-from trainer.run_record import read_run_record
+from trainer.tta_stats import SIDES, Run, compare, epoch_records, reached_at, read_run, seed_order
 
 ROOT = Path(__file__).resolve().parents[2]
-SIDES = ("baseline", "recipe")
 SIDE_COLORS = {"baseline": "tab:blue", "recipe": "tab:orange"}
 BASELINE = ("torchvision reference recipe (ImageFolder + DataLoader, fixed size, SGD + cosine, DDP dense), tuned with "
             "as many runs")
@@ -78,99 +75,7 @@ TUNING_FILE = common.RESULTS_DIR / "tta_tuning.json"
 RAM_DIR = "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 
-# ---------------------------------------------------------------- the statistics
-
-reached_at = target_reached_at  # one rule for the bench's reading and the baseline's own stop
-
-
-def paired_ratio(recipe_s: float | None, baseline_s: float | None) -> float:
-    """recipe / baseline time to target in one seed; a side that missed counts as infinitely slow (both: nan)."""
-    recipe, baseline = (math.inf if t is None else t for t in (recipe_s, baseline_s))
-    if math.isinf(recipe) and math.isinf(baseline):
-        return math.nan
-    return 0.0 if math.isinf(baseline) else recipe / baseline
-
-
-def bootstrap_interval(values: Sequence[float], level: float = 0.9, resamples: int = 10_000,
-                       seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the median: resample the values with replacement, take each resample's
-    median, and return the (1 - level) / 2 and (1 + level) / 2 order statistics of those medians."""
-    data = np.asarray(values, dtype=np.float64)
-    if data.size == 0 or np.isnan(data).any():
-        raise ValueError("bootstrap_interval: needs at least one value and no nan")
-    rng = np.random.default_rng(seed)
-    medians = np.sort(np.median(data[rng.integers(0, data.size, size=(resamples, data.size))], axis=1))
-    low = medians[int(math.floor((1 - level) / 2 * resamples))]
-    high = medians[min(resamples - 1, int(math.ceil((1 + level) / 2 * resamples)) - 1)]
-    return float(low), float(high)
-
-
-def finite_or_none(x: float) -> float | None:
-    return None if math.isinf(x) or math.isnan(x) else round(x, 3)
-
-
 # ---------------------------------------------------------------- one run
-
-@dataclass
-class Run:
-    """One training run as the bench saw it: its epoch records, the target rule, the process's wall time."""
-
-    side: str
-    seed: int
-    time_to_target_s: float | None
-    epochs_to_target: int | None
-    best_top1: float
-    epochs_run: int
-    process_s: float
-    load_before: float
-    load_after: float
-    run_dir: str
-    top1: list[float] = field(default_factory=list)
-    elapsed_s: list[float] = field(default_factory=list)
-    choices: dict[str, Any] = field(default_factory=dict)
-    """The recipe's measured choices (precision, layout, convolutions) and how they were reached (env.json)."""
-    choices_s: float = 0.0
-    """Seconds the recipe spent deciding them before its clock started (measuring, or reading the cache):
-    counted in `time_to_target_s`."""
-
-    @property
-    def reached(self) -> bool:
-        return self.time_to_target_s is not None
-
-
-def epoch_records(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's per-epoch evaluation records from metrics.jsonl, by epoch (the trainer's and the baseline's)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    by_epoch: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line still being written
-            continue
-        if rec.get("kind") == "epoch" and "eval/top1" in rec:
-            by_epoch[int(rec["epoch"])] = rec
-    return [by_epoch[e] for e in sorted(by_epoch)]
-
-
-def read_run(side: str, seed: int, run_dir: Path, target: float, consecutive: int, process_s: float,
-             load_before: float, load_after: float) -> Run:
-    """A Run from `run_dir/metrics.jsonl`, the time to target by `reached_at`."""
-    records = epoch_records(run_dir)
-    if not records:
-        raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'}: no evaluated epoch; the {side} run failed "
-                                f"(its log is {run_dir / 'train.log'})")
-    top1 = [float(r["eval/top1"]) for r in records]
-    choices = (read_run_record(run_dir) or {}).get("choices") or {}
-    startup = float(choices.get("seconds", 0.0))  # before the trainer's clock: the bench counts it
-    elapsed = [startup + float(r["time/elapsed_s"]) for r in records]
-    at = reached_at(top1, target, consecutive)
-    return Run(side=side, seed=seed, time_to_target_s=None if at is None else round(elapsed[at], 1),
-               epochs_to_target=None if at is None else at + 1, best_top1=max(top1), epochs_run=len(records),
-               process_s=round(process_s, 1), load_before=load_before, load_after=load_after, run_dir=str(run_dir),
-               top1=top1, elapsed_s=elapsed, choices=choices, choices_s=startup)
-
 
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (torchrun starts each worker in a session of its own, so a process group does
@@ -304,38 +209,6 @@ def load_runs(out: Path) -> tuple[list[Run], float, int]:
 
 # ---------------------------------------------------------------- the comparison
 
-def plan(first_seed: int, seeds: int) -> list[tuple[int, str]]:
-    """(seed, side) in running order: each seed runs both sides, which side goes first alternating from seed to
-    seed, so that a drift in the machine's load falls on both alike."""
-    return [(seed, side) for i, seed in enumerate(range(first_seed, first_seed + seeds))
-            for side in (SIDES if i % 2 == 0 else SIDES[::-1])]
-
-
-def compare(runs: Sequence[Run]) -> dict[str, Any]:
-    """Per seed the paired ratio; their median and bootstrap 90% interval."""
-    by_seed: dict[int, dict[str, Run]] = {}
-    for r in runs:
-        by_seed.setdefault(r.seed, {})[r.side] = r
-    seeds = sorted(by_seed)
-    incomplete = [s for s in seeds if set(by_seed[s]) != set(SIDES)]
-    if not seeds or incomplete:
-        raise ValueError(f"compare: every seed needs one run of each side (incomplete: {incomplete or 'no runs'})")
-    ratios = [paired_ratio(by_seed[s]["recipe"].time_to_target_s, by_seed[s]["baseline"].time_to_target_s)
-              for s in seeds]
-    usable = [x for x in ratios if not math.isnan(x)]
-    median = float(np.median(usable)) if usable else math.nan
-    interval = bootstrap_interval(usable) if usable else (math.nan, math.nan)
-    return {"seeds": seeds, "ratios": [finite_or_none(x) for x in ratios], "seeds_in_median": len(usable),
-            "both_missed": [s for s, x in zip(seeds, ratios) if math.isnan(x)],
-            "baseline_s": [by_seed[s]["baseline"].time_to_target_s for s in seeds],
-            "recipe_s": [by_seed[s]["recipe"].time_to_target_s for s in seeds],
-            "baseline_epochs": [by_seed[s]["baseline"].epochs_to_target for s in seeds],
-            "recipe_epochs": [by_seed[s]["recipe"].epochs_to_target for s in seeds],
-            "missed": [f"{side} seed {s}" for s in seeds for side in SIDES if not by_seed[s][side].reached],
-            "interval": [finite_or_none(x) for x in interval], "interval_level": 0.9,
-            "ratio": finite_or_none(median)}
-
-
 def report(runs: Sequence[Run], result: dict[str, Any], target: float, consecutive: int) -> None:
     """The per-seed table and the verdict line."""
     by = {(r.side, r.seed): r for r in runs}
@@ -423,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result = {"bench": "tta", "baseline": BASELINE, "skipped": reason, "ratio": None}
         print(json.dumps(result))
         return result
-    from scripts.make_tta_photos import prepare
+    from data.tta_photos import prepare
 
     root = prepare(ROOT / DATA)
     out = args.out or Path("runs/bench_tta") / time.strftime("%Y%m%d-%H%M%S")
@@ -446,14 +319,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(json.dumps(line))
         return line
     runs = [run_side(side, seed, out, args.target, args.consecutive, (), precision_overrides)
-            for seed, side in plan(args.first_seed, seeds)]
+            for seed, side in seed_order(args.first_seed, seeds)]
     return finish(runs, out, args.target, args.consecutive, precision, seeds)
 
 
 def finish(runs: Sequence[Run], out: Path, target: float, consecutive: int, precision: str,
            planned: int) -> dict[str, Any]:
     """Plot, table, the result file and the last-line JSON of finished runs."""
-    from scripts.plot_tta import plot
+    from trainer.tta_plot import plot
 
     png = plot([Path(r.run_dir) for r in runs], out / "tta.png", "top1", target,
                [f"{r.side} (seed {r.seed})" for r in runs], [SIDE_COLORS[r.side] for r in runs])
