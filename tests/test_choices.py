@@ -71,6 +71,32 @@ def test_the_candidate_measured_slower_is_not_kept(name, slow):
     assert f"{name}_{ {True: 'on', False: 'off'}.get(slow, slow) }" in slowest
 
 
+def test_a_candidate_with_a_slow_first_step_is_judged_on_its_measured_steps():
+    """A first step's one-time work (creating a kernel for the shape) can make the fastest candidate look 3x
+    behind in the warm-up round: it must still be measured, and kept."""
+    fastest = {"amp": "bf16", "channels_last": False, "small_map_gemm": False}
+    probes = len(small_task().probes([(p, 8 * (p.end_epoch - p.start_epoch), 1) for p in PHASES]))
+    real, calls = wall_timer(CPU), []
+
+    def timer(step, choice: Choice) -> float:
+        calls.append(choice == fastest)
+        first = choice == fastest and sum(calls) <= probes  # its warm-up round: one step per probe
+        return real(step, choice) + (3.0 if first else 0.0 if choice == fastest else 1.0)
+    decision = decide_for(small_task(), timer)
+    assert decision.choice == fastest
+    assert sum(calls) == 3 * probes  # the warm-up and both measured rounds
+
+
+def test_a_candidate_far_behind_is_dropped_at_its_first_shape():
+    """Its first shape alone costs more than 4x the best complete warm-up: one step, then no more; its cost is
+    that part (a lower bound), above every other."""
+    slow = {"amp": "bf16", "channels_last": True, "small_map_gemm": True}
+    log: list = []
+    decision = decide_for(small_task(), penalty(lambda c: c == slow, 100.0, log))
+    assert sum(c == slow for c in log) == 1
+    assert decision.costs_s[label(slow)] >= 100.0 * 8 and decision.costs_s[label(slow)] == max(decision.costs_s.values())
+
+
 def test_measuring_leaves_weights_buffers_grads_mode_and_generators_untouched():
     task = small_task()
     for p in task.model.parameters():
@@ -111,10 +137,11 @@ def test_the_task_applies_each_choice_both_ways():
 
 @pytest.mark.parametrize("budget,rounds", [(float("inf"), 3), (1e-9, 2)])
 def test_the_budget_stops_the_rounds_after_the_first_measured_one(budget, rounds):
-    """rounds = the warm-up and the measured ones the most measured candidate ran (2 measured at most here; a
-    candidate pruned on a noisy round may still be kept, on its estimate so far)."""
+    """rounds = the warm-up and the measured ones the most measured candidate ran (2 measured at most here). Every
+    step carries a second on top of its few milliseconds, so that the machine's noise cuts no fp32 candidate."""
     log: list = []
-    decision = decide_for(small_task(), penalty(lambda c: c["amp"] == "bf16", log=log), budget=budget)
+    slow_bf16 = penalty(lambda c: c["amp"] == "bf16", log=log)
+    decision = decide_for(small_task(), lambda step, choice: slow_bf16(step, choice) + 1.0, budget=budget)
     probes = len(small_task().probes([(p, 8 * (p.end_epoch - p.start_epoch), 1) for p in PHASES]))
     assert max(sum(c == other for c in log) for other in log) == rounds * probes
 
@@ -222,6 +249,37 @@ def test_a_restored_choice_the_run_no_longer_allows_is_a_config_error():
         checked_choice({"amp": "bf16", "channels_last": True}, space)
     with pytest.warns(UserWarning, match="the checkpoint holds no channels_last; using False"):
         assert checked_choice({"amp": "off"}, space) == {"amp": "off", "channels_last": False}
+
+
+class SelectingCommunicator(LocalCommunicator):
+    """A local communicator that reports sparse selections (as hitopk across nodes does), so that `settle` has
+    a selection to keep."""
+
+    iters = 20  # MSTopK's bisection steps
+
+    def selection_candidates(self) -> list[str]:
+        return ["mstopk", "torch"]
+
+    def selection_sizes(self) -> dict[tuple[int, float], int]:
+        return {(4096, 0.01): 2}
+
+
+def test_a_resume_keeps_the_checkpointed_selection_and_measures_nothing_it_holds():
+    """The checkpoint's model choices and selection are kept without a measured step (a timer that records every
+    call stays empty); the input threads it cannot hold are left to measure (none here: no loader)."""
+    task = small_task()
+    step = RunStep(task, SelectingCommunicator(Topology()), torch.optim.SGD(task.model.parameters(), lr=0.1), CPU)
+    log: list = []
+    restored = Decision({"amp": "bf16", "channels_last": True, "small_map_gemm": False, "selection": "torch",
+                         "workers": 4}, "checkpoint")
+    decision, space = settle(restored, ["off", "bf16"], [(PHASES[0], 6, 1)], step, Topology(), None, rounds=1,
+                             budget=float("inf"), timer=penalty(lambda c: False, log=log), cores=2)
+    assert not log and decision.source == "checkpoint"
+    assert decision.choice == {"amp": "bf16", "channels_last": True, "small_map_gemm": False, "selection": "torch"}
+    assert task.model[0].weight.is_contiguous(memory_format=torch.channels_last)  # the model's choices applied
+    fresh, _ = settle(None, ["off", "bf16"], [(PHASES[0], 6, 1)], step, Topology(), None, rounds=1,
+                      budget=float("inf"), timer=penalty(lambda c: c.get("selection") == "mstopk", log=log), cores=2)
+    assert fresh.choice["selection"] == "torch" and any("selection" in c for c in log)  # measured when not restored
 
 
 def test_a_cached_decision_with_a_failed_candidate_is_recorded():

@@ -112,6 +112,24 @@ def test_an_unfinished_epoch_is_followed_by_a_full_one(folder, tmp_path):
     data.close()
 
 
+@pytest.mark.parametrize("backend,threads", [("dali", (1, 2)),
+                                               pytest.param("torchvision", (0, 2), marks=pytest.mark.e2e)])
+def test_the_input_threads_leave_the_batches_alone(folder, tmp_path, backend, threads):
+    """data.workers is measured at start-up and not kept in checkpoints: every thread count gives the same
+    augmented batches (each image's crop and flip come from its own seed, not from the thread or worker process that loads it;
+    torchvision's worker processes put the test in the e2e tier)."""
+    cfg = dali_config(folder, tmp_path) if backend == "dali" else DataConfig(root=str(folder), backend=backend,
+                                                                               workers=0)
+    data = build_image_data(cfg, rank=0, world_size=1, seed=3)
+    try:
+        seen = [batches(data.train_loader(40, 8, min_scale=0.3, workers=n), epoch=1) for n in threads]
+    finally:
+        data.close()
+    assert len(seen[0]) == len(seen[1]) == 3
+    for (images, labels), (other_images, other_labels) in zip(*seen):
+        assert torch.equal(labels, other_labels) and torch.equal(images, other_images)
+
+
 def test_odd_images_are_decoded_or_skipped_and_named(tmp_path, caplog):
     root = write_folder(tmp_path / "odd", classes=2, per_class=5, val_per_class=2)
     write_odd_files(root / "train" / "c1")

@@ -148,11 +148,17 @@ class Decision:
 # ---------------------------------------------------------------- measurement
 
 
-WARMUP_PRUNE = 2.0
-"""After the warm-up round, a candidate more than this many times the best's cost is measured no further."""
+WARMUP_PRUNE = 4.0
+"""After the warm-up round, a candidate more than this many times the best's cost is measured no further. A first
+step carries one-time work (creating a kernel for the shape, first-touch allocations) that differs between
+implementations by several times (oneDNN's convolutions against the GEMM path), so only a candidate far behind
+even so is dropped on it."""
 ROUND_PRUNE = 1.25
 """After each measured round, a candidate more than this many times the best's current cost is measured no
 further (its cost stays its estimate so far)."""
+FIRST_ROUND_CUT = 2.0
+"""Within the first measured round, a candidate whose shapes so far already cost more than this many times the
+best complete cost is measured no further: wide enough that one noisy step does not drop a near tie."""
 
 
 def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rounds: int, timer: Timer,
@@ -162,38 +168,59 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
     candidates interleaved round by round. Round 0 warms each candidate up (first-touch allocations, kernel
     selection) and is timed only to drop candidates far behind (`WARMUP_PRUNE`); then up to `rounds` measured
     rounds, after each of which candidates clearly behind are dropped (`ROUND_PRUNE`), so slow candidates cost
-    little; no further round starts once the measurement's own seconds exceed `budget` x the best candidate's
-    cost, or `budget_s` (the first measured round always runs). A subject whose `apply` warms a candidate up
-    itself (`warmed_by_apply`) skips round 0. `reduce` averages a cost list over the ranks (every rank then
-    drops the same candidates and stops alike). A candidate that raises (an unsupported kernel, out of memory,
-    anything) is `inf`, with a warning naming it and the error, and every rank still reaches the collectives."""
+    little; within the warm-up and the first measured round (whose times are a candidate's whole estimate), a
+    candidate whose probes so far already cost more than `WARMUP_PRUNE` / `FIRST_ROUND_CUT` x the best complete
+    cost is dropped at once, its part-round cost (a lower bound) kept as its cost. No further round
+    starts once the measurement's own seconds exceed `budget` x the best candidate's cost, or `budget_s` (the
+    first measured round always runs). A subject whose `apply` warms a candidate up itself (`warmed_by_apply`)
+    skips round 0. `reduce` averages a cost list over the ranks, after every probe and every round, so every
+    rank drops the same candidates at the same probe and stops alike. A candidate that raises (an unsupported
+    kernel, out of memory, anything) is `inf`, with a warning naming it and the error, and dropped on every
+    rank at that probe."""
     times: dict[tuple[int, int], list[float]] = {(c, p): [] for c in range(len(candidates)) for p in range(len(probes))}
     failed: set[int] = set()
     active = list(range(len(candidates)))
     costs = [math.inf] * len(candidates)
     start = time.perf_counter()
     for r in range(1 if getattr(subject, "warmed_by_apply", False) else 0, rounds + 1):
+        factor = WARMUP_PRUNE if r == 0 else ROUND_PRUNE
+        cut_factor = WARMUP_PRUNE if r == 0 else FIRST_ROUND_CUT
+        best = min((costs[c] for c in active), default=math.inf)  # the previous round's
+        cut: dict[int, float] = {}
         for c in active:
-            choice = candidates[c]
-            try:
-                subject.apply(choice)
-                for p, probe in enumerate(probes):
-                    seconds = timer(lambda: subject.step(probe.batch, probe.train), choice)
-                    # the warm-up's time stands until the first measured round replaces it
-                    times[c, p] = [seconds] if r <= 1 else [*times[c, p], seconds]
-            except Exception as e:  # noqa: BLE001 - one rank's failure must not leave the others in a collective
-                warnings.warn(f"measured choices: {label(choice)} failed and is dropped: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
-                failed.add(c)
+            partial = 0.0
+            for p, probe in enumerate(probes):
+                if c not in failed:
+                    try:
+                        if p == 0:
+                            subject.apply(candidates[c])
+                        seconds = timer(lambda: subject.step(probe.batch, probe.train), candidates[c])
+                        # the warm-up's time stands until the first measured round replaces it
+                        times[c, p] = [seconds] if r <= 1 else [*times[c, p], seconds]
+                        partial += probe.steps * seconds
+                    except Exception as e:  # noqa: BLE001 - reported; the collective below drops it everywhere
+                        warnings.warn(f"measured choices: {label(candidates[c])} failed and is dropped: "
+                                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                                      stacklevel=2)
+                        failed.add(c)
+                (so_far,) = reduce([math.inf if c in failed else partial])
+                if not math.isfinite(so_far):
+                    failed.add(c)
+                    break
+                if r <= 1 and so_far > cut_factor * best:  # later rounds keep a median: a noisy one cuts nothing
+                    cut[c] = so_far
+                    break
+            else:
+                best = min(best, so_far)  # a complete round's cost, the same on every rank
         local = [math.inf if c in failed or not all(times[c, p] for p in range(len(probes))) else
                  sum(probe.steps * statistics.median(times[c, p]) for p, probe in enumerate(probes))
                  for c in range(len(candidates))]
         *round_costs, spent = reduce([*local, time.perf_counter() - start])
         for c in active:
-            costs[c] = round_costs[c]
+            costs[c] = max(cut[c], round_costs[c] if math.isfinite(round_costs[c]) else 0.0) if c in cut \
+                else round_costs[c]
         best = min((costs[c] for c in active), default=math.inf)
-        factor = WARMUP_PRUNE if r == 0 else ROUND_PRUNE
-        active = [c for c in active if math.isfinite(costs[c]) and costs[c] <= factor * best]
+        active = [c for c in active if c not in cut and math.isfinite(costs[c]) and costs[c] <= factor * best]
         if r >= 1 and spent > min(budget * best, budget_s):
             break
     return costs
