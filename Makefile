@@ -169,7 +169,7 @@ $(LONG_BENCHES): bench-%: setup
 	$(PY) -m scripts.bench.$* $(ARGS)
 	$(PY) -m scripts.results_tables
 
-## measured choices: an epoch of the TTA recipe at its defaults against every pinned precision x communicator
+## measured choices: the TTA recipe at its defaults against pinned precision x convolutions x communicator (ARGS=--screen: one epoch each)
 bench-choices:
 ## the quickstarts timed: start-up measurement's share, time and accuracy (ARGS=--quick: the ResNet runs only)
 bench-quickstart:

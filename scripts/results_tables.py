@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -137,7 +138,7 @@ def comm(r: dict[str, Any]) -> list[str]:
 def optim(r: dict[str, Any]) -> list[str]:
     rows = [["per-tensor loop LARS (baseline)", num(r["baseline_ms"]), "1.00x"],
             [f"FusedLARS ({r['path']})", num(r["ms"]), times(r["ratio"])],
-            ["SGD foreach (floor: no norms)", num(r["sgd_foreach_ms"]), times(r["baseline_ms"] / r["sgd_foreach_ms"])]]
+            ["SGD foreach (reference: no norms or trust ratios)", num(r["sgd_foreach_ms"]), times(r["baseline_ms"] / r["sgd_foreach_ms"])]]
     return [f"One optimizer step over {r['model']}'s {r['tensors']} parameter tensors:", "",
             *table(["optimizer", "ms/step", "speed-up vs loop"], rows)]
 
@@ -154,20 +155,32 @@ def small_conv(r: dict[str, Any]) -> list[str]:
 def replica_guard(r: dict[str, Any]) -> list[str]:
     return [*table(["what", "ms"], [["training step (" + r["baseline"] + ")", num(r["step_ms"])],
                                     ["weight checksum", num(r["checksum_ms"])]]), "",
-            f"Checked every {r['every_steps']} steps, the guard costs {100 * r['share']:.3g}% of training time."]
+            (f"Checked every {r['every_steps']} steps and at each epoch end, {r['checks']} checks in a run of "
+             f"{r['epochs']} epochs of {r['steps_per_epoch']} steps (the quickstart's), the guard costs "
+             f"{100 * r['share']:.3g}% of its training time (its all-gather of one number per rank not timed)."
+             if "checks" in r else
+             f"Checked every {r['every_steps']} steps (epoch-end checks and the all-gather not counted), the guard "
+             f"costs {100 * r['share']:.3g}% of training time.")]
 
 
 def transformer(r: dict[str, Any]) -> list[str]:
-    rows = [["DDP + Adam (baseline)", num(r["baseline_tokens_per_s"]), "1.00x"],
-            ["recipe, dense", num(r["dense_tokens_per_s"]), times(r["dense_tokens_per_s"] / r["baseline_tokens_per_s"])]]
-    if r["comm"] != "dense":
-        rows.append([f"recipe, {r['comm']}", num(r["recipe_tokens_per_s"]), times(r["ratio"])])
-    return table(["contender", "tokens/s", "vs baseline"], rows)
+    if "round_ratios" not in r:  # a single ordering of rounds, no spread recorded
+        rows = [["DDP + Adam (baseline)", num(r["baseline_tokens_per_s"]), "1.00x"],
+                ["recipe, dense", num(r["dense_tokens_per_s"]), times(r["dense_tokens_per_s"] / r["baseline_tokens_per_s"])]]
+        if r["comm"] != "dense":
+            rows.append([f"recipe, {r['comm']}", num(r["recipe_tokens_per_s"]), times(r["ratio"])])
+        return table(["contender", "tokens/s", "vs baseline"], rows)
+    rows = [["DDP + Adam (baseline)", num(r["baseline_tokens_per_s"]), "1.00x", ""]]
+    rows += [[f"recipe, {kind}", num(r[f"{kind}_tokens_per_s"]), times(statistics.median(ratios)),
+              ", ".join(f"{x:.2f}" for x in ratios)] for kind, ratios in r["round_ratios"].items()]
+    return [f"{r['rounds']} rounds, each in a rotated order; the ratio is the median over rounds of the same round's "
+            "ratio.", "", *table(["contender", "tokens/s (median)", "vs baseline", "per round"], rows)]
 
 
 def scaling(r: dict[str, Any]) -> list[str]:
-    kinds = ("dense", "dense fp16", "topk", "hitopk", "auto")
-    rows = [[c["model"], c["layout"], c["rate"], num(c["compute_ms"]), *(num(c["step_ms"][k]) for k in kinds),
+    kinds = ("dense", "dense fp16", "topk", "hitopk", "auto")  # titles; newer results name "dense fp16" dense16
+    rows = [[c["model"], c["layout"], c["rate"], num(c["compute_ms"]),
+             *(num(c["step_ms"].get(k, c["step_ms"].get("dense16"))) for k in kinds),
              c["best_fixed"], f"{c['auto_vs_best']:.3f}",
              "{1:.3f} ({0:.3f}-{2:.3f})".format(*c["auto_vs_best_rounds"]), f"{c['auto_vs_dense']:.3f}",
              c["auto_plan_summary"],
@@ -190,23 +203,37 @@ def choice_text(choice: dict[str, Any] | None) -> str:
     return "" if not choice else ", ".join(f"{k} {v}" for k, v in choice.items())
 
 
+def kept_choices(v: dict[str, Any]) -> str:
+    """Every round's decision, when they differ."""
+    seen = [choice_text(c) for c in v.get("choices", [v["choice"]])]
+    return " / ".join(dict.fromkeys(seen)) + (" (per round: differ)" if len(set(seen)) > 1 else "")
+
+
 def choices(r: dict[str, Any]) -> list[str]:
-    def kept(v: dict[str, Any]) -> str:  # every round's decision, when they differ
-        seen = [choice_text(c) for c in v.get("choices", [v["choice"]])]
-        return " / ".join(dict.fromkeys(seen)) + (" (per round: differ)" if len(set(seen)) > 1 else "")
-    rows = [[f"{size} px", name, num(v["epoch_s"]), num(v["startup_s"]), times(v["epoch_ratio"]),
-             times(v["vs_best_pinned"]), kept(v)]
+    cell = r["cell"]
+    rows = [[name, num(v["clock_s"]), num(v["startup_s"]), times(v["epoch_ratio"]), times(v["vs_best_pinned"]),
+             ", ".join(num(t, 3) for t in v["top1"]), kept_choices(v)] for name, v in cell["variants"].items()]
+    return [f"The whole TTA recipe (2 ranks, 10 epochs at 24, 32 and 40 px, global batch 64, evaluation at 48 px, run "
+            f"to the end), median of {r['rounds']} interleaved round(s). Clock = the training clock (the epochs, "
+            "evaluations included); start-up = the measured choices before it. Pinned rows keep NCHW and, unless "
+            "they say direct convs, the GEMM convolutions; they are the combinations the screen below kept "
+            f"({', '.join(r['pinned'])}).", "",
+            *table(["variant", "clock s", "start-up s", "clock / best pinned", "with start-up", "top-1 per round",
+                    "choice"], rows), "",
+            f"The defaults' clock (measuring run) over the fastest pinned combination's ({cell['best_pinned']}): "
+            f"{r['ratio']:.3f}; with the start-up: {r['with_startup']:.3f}; served from the cache over measuring "
+            f"(clock and start-up): {r['cached_over_measuring']:.3f}."]
+
+
+def choices_screen(r: dict[str, Any]) -> list[str]:
+    rows = [[f"{size} px", name, num(v["clock_s"]), num(v["startup_s"]), times(v["epoch_ratio"]), kept_choices(v)]
             for size, cell in r["cells"].items() for name, v in cell["variants"].items()]
-    return [f"One epoch of the TTA recipe (2 ranks, global batch 64, evaluation at 48 px), median of {r['rounds']} "
-            "interleaved round(s); the pinned rows keep NCHW and, unless they say direct convs, the GEMM "
-            "convolutions. The ratios are over the "
-            "fastest pinned combination's epoch; \"with start-up\" adds the seconds the measured choices took before "
-            "the clock (paid once per run, not per epoch).", "",
-            *table(["size", "variant", "epoch s", "start-up s", "epoch / best pinned", "with start-up", "choice"],
-                   rows), "",
-            f"The defaults' epoch (measuring run) over the fastest pinned combination's: {r['ratio']:.3f} at worst; "
-            f"with the start-up: {r['with_startup']:.3f}; served from the cache over measuring (epoch and start-up): "
-            f"{r['cached_over_measuring']:.3f} at worst."]
+    commits = sorted({c for cell in r["cells"].values() for v in cell["variants"].values() for c in v["commits"]})
+    return [f"The screen: one epoch of the TTA recipe per image size (2 ranks, global batch 64, evaluation at 48 px), "
+            f"median of {r['rounds']} round(s), every pinned combination, run at "
+            f"{', '.join(f'`{c[:12]}`' for c in commits) or 'the commit above'}. Kept for the whole-recipe runs "
+            f"(within {r['bound']}x of the fastest pinned epoch at every size): {', '.join(r['kept'])}.", "",
+            *table(["size", "variant", "epoch s", "start-up s", "epoch / best pinned", "choice"], rows)]
 
 
 def quickstart(r: dict[str, Any]) -> list[str]:
@@ -216,7 +243,7 @@ def quickstart(r: dict[str, Any]) -> list[str]:
              v.get("source", "measured"), choice_text(v["choice"]) if "choice" in v else "(as measuring)", scores(v)]
             for name, v in r["runs"].items()]
     fresh = ("; make quickstart, fresh clone = the whole command in a fresh clone (venv set up from scratch, data, "
-             "training, report)" if "make quickstart, fresh clone" in r["runs"] else "")
+             "training, report)" if any(name.startswith("make quickstart, fresh clone") for name in r["runs"]) else "")
     return ["The quickstarts on 2 CPU ranks (the run folders' summary.json and env.json); wall = torchrun start to "
             f"exit, clock = the trainer's (`elapsed_s`, after the start-up measurement){fresh}.", "",
             *table(["run", "wall s", "clock s", "start-up s", "start-up share", "choices from", "choice", "scores"],
@@ -259,11 +286,11 @@ def override_text(item: str) -> str:
 
 def tta_tuning(runs: list[dict[str, Any]], target: float, consecutive: int) -> list[str]:
     """Every tuning run, read at the bench's target from its curve (a run may have had a higher stop target)."""
-    from scripts.tta_baseline import target_reached_at
+    from trainer.tta_stats import reached_at
 
     rows = []
     for run in runs:
-        at = target_reached_at(run["top1"], target, consecutive)
+        at = reached_at(run["top1"], target, consecutive)
         rows.append([run["date"][:16].replace("T", " "), f"`{run['commit'][:7]}`", run["side"],
                      "<br>".join(override_text(o) for o in run["overrides"]) or "none", run["seed"],
                      f"{100 * run['top1'][-1]:.1f}% after {run['epochs_run']}",
@@ -286,7 +313,8 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "topk": ("MSTopK speed-up over torch.topk, gradients of a real training step, k = 0.1%, equal threads",
              lambda r: f"{r['arch']}: {times(r['ratio_1thread'])} (1 thread), {times(r['ratio_2threads'])} (2), "
                        f"recall {r['recall_real_gradients']:.4f}"),
-    "input_pipeline": ("input pipeline images/s over torchvision's ImageFolder + DataLoader, quiet / under the "
+    "input_pipeline": ("input pipeline images/s over torchvision's ImageFolder (seeded per image) + DataLoader (workers "
+                       "started afresh every epoch), quiet / under the "
                        "bench's own load",
                        lambda r: f"DALI decoding the originals: {times(r['results']['dali_files']['quiet_ratio'])} / "
                                  f"{times(r['results']['dali_files']['loaded_ratio'])}; best, "
@@ -302,16 +330,28 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
                           if "auto" in r["results"] else "")),
     "optim": ("FusedLARS step over a per-tensor LARS loop", lambda r: times(r["ratio"])),
     "small_conv": ("ResNet steps with small-map GEMM convolutions over oneDNN's", lambda r: times(r["ratio"])),
-    "replica_guard": ("replica guard's share of training time",
-                      lambda r: f"{100 * r['share']:.3g}% (every {r['every_steps']} steps)"),
-    "transformer": ("Transformer recipe tokens/s over DDP + Adam", lambda r: times(r["ratio"])),
-    "choices": ("an epoch of the TTA recipe at its defaults (precision, layout, convolutions, communicator measured) "
-                "/ the fastest pinned precision x communicator",
-                lambda r: f"{r['ratio']:.3f} (worst of {len(r['cells'])} image sizes; {r['with_startup']:.3f} with the "
-                          f"one-off start-up); cached / measuring {r['cached_over_measuring']:.3f}"),
+    "replica_guard": ("replica guard's share of training time (the checksum; its all-gather not timed)",
+                      lambda r: f"{100 * r['share']:.3g}% (every {r['every_steps']} steps"
+                                + (f" and {r['epochs']} epoch ends: the quickstart)" if "checks" in r else
+                                   "; epoch-end checks not counted)")),
+    "transformer": ("Transformer recipe (dense exchange) tokens/s over DDP + Adam",
+                    lambda r: times(r["ratio"]) + (f" (median of {r['rounds']} rotated rounds: "
+                                                   f"{min(r['round_ratios']['dense']):.2f}-"
+                                                   f"{max(r['round_ratios']['dense']):.2f})"
+                                                   if "round_ratios" in r else " (one run, fixed order)")),
+    "choices": ("the TTA recipe at its defaults (precision, layout, convolutions, communicator measured), training "
+                "clock / the fastest pinned combination's",
+                lambda r: f"{r['ratio']:.3f} ({r['with_startup']:.3f} with the start-up); cached / measuring "
+                          f"{r['cached_over_measuring']:.3f}"),
+    "choices_screen": ("one epoch per image size, defaults / the fastest pinned combination (the screen)",
+                       lambda r: f"{r['ratio']:.3f} (worst of {len(r['cells'])} image sizes)"),
     "quickstart": ("quickstart: the start-up measurement's share of `make quickstart` on a fresh clone / of the "
                    "training command, measuring / cached; scores",
-                   lambda r: f"{100 * r['ratio']:.2f}% / {100 * r.get('training_startup_share', r['ratio']):.2f}% / "
+                   lambda r: f"{100 * r['ratio']:.2f}%"
+                             + (f" (median of {len(r['fresh_clone_shares'])}: "
+                                f"{', '.join(f'{100 * x:.1f}%' for x in r['fresh_clone_shares'])})"
+                                if len(r.get("fresh_clone_shares", [])) > 1 else "")
+                             + f" / {100 * r.get('training_startup_share', r['ratio']):.2f}% / "
                              f"{100 * r['cached_startup_share']:.2f}%; top-1 "
                              f"{r['runs']['resnet, measuring'].get('final_top1', float('nan')):.4f}"
                              + (f", BLEU {r['runs']['transformer, measuring']['test_bleu']:.1f}"
@@ -324,7 +364,7 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
 TABLES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "topk": topk, "input_pipeline": input_pipeline, "data_wait": data_wait, "comm": comm, "optim": optim,
     "small_conv": small_conv, "replica_guard": replica_guard, "transformer": transformer, "tta": tta,
-    "scaling": scaling, "choices": choices, "quickstart": quickstart}
+    "scaling": scaling, "choices": choices, "choices_screen": choices_screen, "quickstart": quickstart}
 
 
 def summary(results_dir: Path) -> str:

@@ -2,7 +2,8 @@
 
 Contenders, all training loaders of rank 0 of 1 with the same augmentation (random-resized crop to
 128 px, flip, normalize) at batch 64, read in the same process one after the other:
-  (a) torchvision ImageFolder + DataLoader, 2 worker processes: the baseline
+  (a) torchvision: the repository's seeded ImageFolder (torchvision's, with a per-image seed for the
+      augmentation) + DataLoader, 2 worker processes started afresh every epoch: the baseline
   (b) DALI (CPU mode here) decoding the files from data.root (L0, the OS page cache warm)
   (c) DALI decoding the encoded bytes from the RAM level (L2, a memory-mapped file in /dev/shm)
   (d) DALI from the pre-decoded low-resolution level (L3: uint8, shorter side 146 px), no JPEG decoding

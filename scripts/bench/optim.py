@@ -45,7 +45,7 @@ OPTIMIZERS: dict[str, Callable[[list[Tensor], list[Tensor]], torch.optim.Optimiz
                                                        WEIGHT_DECAY, TRUST, trust_clip=True),
     "FusedLARS": lambda d, e: FusedLARS(lars_groups(d, e), LR, MOMENTUM, WEIGHT_DECAY, TRUST,
                                         trust_clip=True),
-    "SGD foreach (floor)": lambda d, e: torch.optim.SGD(
+    "SGD foreach (reference)": lambda d, e: torch.optim.SGD(
         [{"params": d, "weight_decay": WEIGHT_DECAY}, {"params": e, "weight_decay": 0.0}],
         lr=LR, momentum=MOMENTUM, foreach=True),
 }

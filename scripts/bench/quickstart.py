@@ -4,17 +4,18 @@ training once; what each reached and what its start-up measurement cost.
 
 Per run: the process's wall seconds (torchrun start to exit), the trainer's clock (`elapsed_s`), time to the
 target, the final scores, and the seconds the measured choices took before the clock (env.json) with their share
-of the wall time. With --fresh-clone, first `make quickstart` itself in a fresh clone of HEAD (its venv set up
-from scratch; pip's download cache is this machine's), with an empty measured-choices cache. ratio = the
-measuring run's start-up seconds / the fresh clone's `make quickstart` seconds (with --fresh-clone), else / the
-measuring run's training wall seconds.
+of the wall time. With --fresh-clone N, first `make quickstart` itself N times, each in a fresh clone of HEAD (its
+venv set up from scratch; pip's download cache is this machine's) with an empty measured-choices cache. ratio =
+the median over the fresh clones of (start-up seconds / `make quickstart` seconds) (with --fresh-clone), else the
+measuring run's start-up seconds / its training wall seconds.
 
-    python -m scripts.bench.quickstart [--quick] [--fresh-clone]      (--quick: the ResNet runs only)
+    python -m scripts.bench.quickstart [--quick] [--fresh-clone [N]]   (--quick: the ResNet runs only)
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -52,7 +53,9 @@ def train(name: str, recipe: tuple, out: Path, cache: Path) -> dict[str, Any]:
 
 
 def fresh_clone(out: Path) -> dict[str, Any]:
-    """`make quickstart` in a fresh clone of HEAD under `out`, timed whole (venv, data, training, report)."""
+    """`make quickstart` in a fresh clone of HEAD under `out` (created), timed whole (venv, data, training,
+    report)."""
+    out.mkdir(parents=True)
     clone = out / "clone"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
     cache = out / "cache-fresh"
@@ -78,8 +81,9 @@ def fresh_clone(out: Path) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = common.bench_parser("quickstart", __doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="run folders (default runs/bench_quickstart/<time>)")
-    parser.add_argument("--fresh-clone", action="store_true",
-                        help="also time `make quickstart` in a fresh clone of HEAD (sets up its own venv)")
+    parser.add_argument("--fresh-clone", type=int, nargs="?", const=1, default=0, metavar="N",
+                        help="also time `make quickstart` N times (default 1), each in a fresh clone of HEAD "
+                             "(each sets up its own venv)")
     args = parser.parse_args(argv)
     common.record_run(args)
     out = (args.out or ROOT / "runs" / "bench_quickstart" / time.strftime("%Y%m%d-%H%M%S")).resolve()
@@ -90,7 +94,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     machine = common.machine()
     print(f"# scripts/bench/quickstart.py: {machine['cpu']} ({', '.join(machine['cpu_flags'])}), 2 ranks; run "
           f"folders in {out}", flush=True)
-    runs = {"make quickstart, fresh clone": fresh_clone(out)} if args.fresh_clone else {}
+    clones = [f"make quickstart, fresh clone{f' {i + 1}' if args.fresh_clone > 1 else ''}"
+              for i in range(args.fresh_clone)]
+    runs = {name: fresh_clone(out / f"fresh-{i}") for i, name in enumerate(clones)}
     runs |= {"resnet, measuring": train("resnet, measuring", RESNET, out / "resnet-measuring", out / "cache"),
             "resnet, cached": train("resnet, cached", RESNET, out / "resnet-cached", out / "cache")}
     if not args.quick:
@@ -101,11 +107,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   ", ".join(f"{k} {v:.4g}" for k, v in r.items() if k.startswith(("final_", "test_")))]
                  for name, r in runs.items()])
     measuring = runs["resnet, measuring"]
-    whole = runs.get("make quickstart, fresh clone")
+    shares = [runs[name]["startup_s"] / runs[name]["wall_s"] for name in clones]
     return common.emit_result(
-        "quickstart", "make quickstart on a fresh clone (start-up share)" if whole else
+        "quickstart", f"make quickstart on {len(clones)} fresh clone(s) (start-up share, median)" if clones else
         "the measuring quickstart's own wall time (start-up share)",
-        (whole or measuring)["startup_s"] / (whole or measuring)["wall_s"], runs=runs,
+        statistics.median(shares) if shares else measuring["startup_s"] / measuring["wall_s"], runs=runs,
+        fresh_clone_shares=[round(share, 4) for share in shares],
         training_startup_share=measuring["startup_share"],
         cached_startup_share=runs["resnet, cached"]["startup_share"])
 
