@@ -176,7 +176,9 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
     skips round 0. `reduce` averages a cost list over the ranks, after every probe and every round, so every
     rank drops the same candidates at the same probe and stops alike. A candidate that raises (an unsupported
     kernel, out of memory, anything) is `inf`, with a warning naming it and the error, and dropped on every
-    rank at that probe."""
+    rank at that probe - when it raises on every rank, or outside a step's own collectives: one that raises on
+    one rank in the middle of a training step's gradient exchange leaves the others waiting in that exchange
+    until the process group's timeout names the rank."""
     times: dict[tuple[int, int], list[float]] = {(c, p): [] for c in range(len(candidates)) for p in range(len(probes))}
     failed: set[int] = set()
     active = list(range(len(candidates)))
@@ -190,19 +192,19 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
         for c in active:
             partial = 0.0
             for p, probe in enumerate(probes):
-                if c not in failed:
-                    try:
-                        if p == 0:
-                            subject.apply(candidates[c])
-                        seconds = timer(lambda: subject.step(probe.batch, probe.train), candidates[c])
-                        # the warm-up's time stands until the first measured round replaces it
-                        times[c, p] = [seconds] if r <= 1 else [*times[c, p], seconds]
-                        partial += probe.steps * seconds
-                    except Exception as e:  # noqa: BLE001 - reported; the collective below drops it everywhere
-                        warnings.warn(f"measured choices: {label(candidates[c])} failed and is dropped: "
-                                      f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                                      stacklevel=2)
-                        failed.add(c)
+                try:
+                    if p == 0:
+                        subject.apply(candidates[c])
+                    seconds = timer(lambda: subject.step(probe.batch, probe.train), candidates[c])
+                    if not math.isfinite(seconds):
+                        raise FloatingPointError(f"the timer returned {seconds}")
+                    # the warm-up's time stands until the first measured round replaces it
+                    times[c, p] = [seconds] if r <= 1 else [*times[c, p], seconds]
+                    partial += probe.steps * seconds
+                except Exception as e:  # noqa: BLE001 - reported; the collective below drops it everywhere
+                    warnings.warn(f"measured choices: {label(candidates[c])} failed and is dropped: "
+                                  f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
+                    failed.add(c)
                 (so_far,) = reduce([math.inf if c in failed else partial])
                 if not math.isfinite(so_far):
                     failed.add(c)
@@ -310,10 +312,8 @@ def kernels_build() -> str:
 
 
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
     from trainer.run_record import cpu_info
-    return str(cpu_info()["model"])
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(cpu_info()["model"])
 
 
 def cpu_flags() -> list[str]:
@@ -327,10 +327,10 @@ def cpu_flags() -> list[str]:
 def run_key(topo: Topology, model: torch.nn.Module | None, space: dict[str, Sequence[Any]], probes: list[Probe],
             rounds: int) -> dict[str, Any]:
     """Everything that changes which candidate is fastest: the device model and the CPU's kernel-relevant flags,
-    the cores this process may use
-    and its threads, torch, CUDA and cuDNN versions and cuDNN's autotuning, the kernel sources, world size and
-    ranks per node, the model (class, parameter count, structure), the probes (shapes and steps), the
-    candidates and the rounds."""
+    the cores this process may use and its threads, torch, CUDA and cuDNN versions and cuDNN's autotuning, the
+    kernel sources, world size and ranks per node, the model (class, parameter count, structure), the probes
+    (shapes and steps), the candidates, the rounds and the pruning factors (entries decided under other rules
+    are not reused)."""
     return _plain({
         "device": device_name(topo.device), "device_type": topo.device.type, "cpu_flags": cpu_flags(),
         "cores": len(os.sched_getaffinity(0)),
@@ -342,7 +342,7 @@ def run_key(topo: Topology, model: torch.nn.Module | None, space: dict[str, Sequ
             "class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
             "structure": hashlib.sha256(repr(model).encode()).hexdigest()[:16]},
         "probes": [[probe.name, probe.steps] for probe in probes], "space": {k: list(v) for k, v in space.items()},
-        "rounds": rounds})
+        "rounds": rounds, "pruning": [WARMUP_PRUNE, FIRST_ROUND_CUT, ROUND_PRUNE]})
 
 
 # ---------------------------------------------------------------- the decision

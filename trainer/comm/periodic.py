@@ -1,6 +1,7 @@
 """The extension point for kinds that synchronise every H steps around `optimizer.step` instead of exchanging
-gradients every step (local SGD, DiLoCo, SparseLoCo). Only the contract lives here; no such kind is
-implemented yet. docs/communicators.md, "Periodic kinds", describes it.
+gradients every step (local SGD, DiLoCo, SparseLoCo). Only the contract lives here: no kind implements it and
+the train loop and checkpointer do not call it yet (the first kind wires the calls below in, with its tests).
+docs/communicators.md, "Periodic kinds", describes it.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from trainer.comm.base import Communicator
 
 
 class PeriodicSync(Communicator, ABC):
-    """A communicator whose per-step exchange is empty and whose synchronisation runs every `every` taken steps.
+    """A communicator whose per-step exchange is empty and whose synchronisation runs every `every` taken steps (a
+    contract: not called by the train loop yet).
 
     Per step the gradients stay local: `finish()` exchanges nothing (it counts the step and returns zero-byte
-    stats) and the inner optimizer steps on this rank's own gradients. The train loop calls, on every rank in
-    the same order:
+    stats) and the inner optimizer steps on this rank's own gradients. The train loop is to call, on every rank
+    in the same order:
 
     - `before_optimizer_step(step)` after the gradients are unscaled and checked finite, before the inner
       `optimizer.step()`;
@@ -30,9 +32,9 @@ class PeriodicSync(Communicator, ABC):
 
     - `shared_state_dict()`: what is identical on every rank - the anchor (the parameters at the last
       synchronisation), the outer optimizer's state, the taken steps since the last synchronisation (a resumed
-      run synchronises at the same step). Written once, with the model; restored on any world size.
-    - `state_dict()`: this rank's own - its error-feedback residuals (SparseLoCo) and `steps`. Written per rank
-      like the gradient communicators' residuals, and dropped like them when the world size or layout changes.
+      run synchronises at the same step). To be written once, with the model, and restored on any world size.
+    - `state_dict()`: this rank's own - its error-feedback residuals (SparseLoCo) and `steps`. To be written per
+      rank like the gradient communicators' residuals, and dropped like them when the world size or layout changes.
     """
 
     every: int

@@ -14,6 +14,7 @@ from typing import Callable, Literal, Sequence
 
 from trainer.comm.config import CommConfig
 from trainer.comm.cost import DENSE, MARGIN, Choice, Network, choose, describe, plan_summary, predict
+from trainer.comm.plan import Plan
 
 HOLD_CHECKS = 5
 """After a plan measured slower than all dense, this many drift checks do not re-decide (the plan stays all
@@ -28,7 +29,6 @@ SCALE_RANGE = (0.05, 100.0)
 WINDOW = 8
 """Steps timed before each drift check."""
 
-Plan = tuple[Choice, ...]
 
 ActionKind = Literal["try", "keep", "switch", "measure_dense", "compare_dense", "restore", "hold"]
 """try: a plan on trial; keep: the same plan (after the trials: the one kept); switch: a new plan the model
