@@ -239,11 +239,13 @@ def choices_screen(r: dict[str, Any]) -> list[str]:
 def quickstart(r: dict[str, Any]) -> list[str]:
     def scores(run: dict[str, Any]) -> str:
         return ", ".join(f"{k} {num(v, 4)}" for k, v in run.items() if k.startswith(("final_", "test_")))
-    rows = [[name, num(v["wall_s"]), num(v["elapsed_s"]), num(v["startup_s"]), f"{100 * v['startup_share']:.2f}%",
+    rows = [[name, num(v["wall_s"]) + (f" (setup {num(v['setup_s'])})" if "setup_s" in v else ""),
+             num(v["elapsed_s"]), num(v["startup_s"]), f"{100 * v['startup_share']:.2f}%",
              v.get("source", "measured"), choice_text(v["choice"]) if "choice" in v else "(as measuring)", scores(v)]
             for name, v in r["runs"].items()]
     fresh = ("; make quickstart, fresh clone = the whole command in a fresh clone (venv set up from scratch, data, "
-             "training, report)" if any(name.startswith("make quickstart, fresh clone") for name in r["runs"]) else "")
+             "training, report), of which `make setup` the setup seconds"
+             if any(name.startswith("make quickstart, fresh clone") for name in r["runs"]) else "")
     return ["The quickstarts on 2 CPU ranks (the run folders' summary.json and env.json); wall = torchrun start to "
             f"exit, clock = the trainer's (`elapsed_s`, after the start-up measurement){fresh}.", "",
             *table(["run", "wall s", "clock s", "start-up s", "start-up share", "choices from", "choice", "scores"],

@@ -9,7 +9,8 @@ Two modes, both on configs/tta_recipe_cpu.yaml on 2 ranks (torchrun), the data c
                   epochs' seconds, evaluations included) and the start-up seconds before it.
   --screen        one epoch per image size (`--sizes`) of every pinned combination: cheap, to see which pinned
                   combinations can be the fastest; the run mode takes those within SCREEN_BOUND of the best at
-                  every size from the screen's results file (or `--pinned`).
+                  every size from the screen's results file when it ran on this machine (CPU model and flags),
+                  with the combinations it did not screen (or `--pinned`).
 Variants: `auto, measuring` (the defaults: train.amp, train.channels_last, model.small_map_gemm, comm.kind at
 auto; an empty measured-choices cache), `auto, cached` (the same right after, served from the cache the run before
 wrote), and pinned combinations: train.amp in {off, bf16} x comm.kind in {dense, hitopk} x NCHW with the GEMM
@@ -82,24 +83,30 @@ def read(out: Path) -> dict[str, Any]:
 
 def variants(round_index: int, cache: Path, pinned: Sequence[str]) -> list[tuple[str, list[str]]]:
     k = round_index % max(1, len(pinned))
-    order = [(name, PINNED[name]) for name in [*pinned[k:], *pinned[:k]]]
+    # a pinned hitopk still measures comm.selection: not from, nor into, the user's cache
+    order = [(name, [*PINNED[name], "train.choices_cache=none"]) for name in [*pinned[k:], *pinned[:k]]]
     auto = [(name, [f"train.choices_cache={cache}"]) for name in AUTO]
     return order[:2] + auto + order[2:] if round_index % 2 else auto + order
 
 
 def within_bound(cells: dict[str, Any]) -> list[str]:
-    """The pinned variants within SCREEN_BOUND of the fastest pinned epoch at every size of screen cells."""
-    return [name for name in PINNED if all(name in cell["variants"] and
+    """The pinned variants the screen cannot rule out: within SCREEN_BOUND of the fastest pinned epoch at every
+    size of screen cells, or not screened at all."""
+    return [name for name in PINNED if all(name not in cell["variants"] or
                                            cell["variants"][name]["epoch_ratio"] <= SCREEN_BOUND
                                            for cell in cells.values())]
 
 
 def screened(path: Path) -> list[str]:
-    """The pinned variants a screen's results file keeps."""
-    keep = within_bound(json.loads(path.read_text())["result"]["cells"])
-    if not keep:
-        raise SystemExit(f"{path}: no pinned variant within {SCREEN_BOUND}x of the fastest at every size")
-    return keep
+    """The pinned variants a screen's results file keeps; every pinned variant when the screen ran on another
+    machine (another CPU model or instruction-set flags: the ranking changes with them)."""
+    record = json.loads(path.read_text())
+    here = common.machine()
+    if (record["machine"]["cpu"], record["machine"]["cpu_flags"]) != (here["cpu"], here["cpu_flags"]):
+        print(f"# {path} was screened on {record['machine']['cpu']} {record['machine']['cpu_flags']}, not this "
+              "machine: every pinned combination runs", flush=True)
+        return list(PINNED)
+    return within_bound(record["result"]["cells"])
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

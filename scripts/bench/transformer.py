@@ -11,10 +11,11 @@ corpus, as 2 gloo processes (2 nodes x 1 rank, one thread each):
 tokens/s counts the target tokens of both ranks (the recipe's time/tokens_per_s). Contenders run in
 rounds, each round in a rotated order so that neither warm caches nor load from other processes favour one;
 per contender the median of the rounds. ratio (JSON) = the median over rounds of (recipe dense / baseline) in
-the same round, with every round's ratio recorded (the spread); hitopk's likewise. The quickstart's comm.kind
-is auto, which keeps dense on one box: dense is the recipe's figure here.
+the same round, with every round's ratio recorded (the spread); hitopk's likewise. The recipe's figure is its
+step with the dense exchange (the quickstart's comm.kind is auto, which chooses per bucket at run time from
+measurements this fixed-steps bench does not make; hitopk is the paper's exchange).
 
-    python -m scripts.bench.transformer [--quick] [--rounds 7]
+    python -m scripts.bench.transformer [--quick] [--rounds 6]
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def worker(rank: int, world: int, corpus: str, workdir: str, steps: int, rounds:
 
 def main() -> None:
     parser = bench_parser("transformer", __doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7, help="rounds, each in a rotated order (default 7)")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="rounds, each in a rotated order (default 6: each of the 3 contenders first twice)")
     args = parse_args(parser)
     if args.device != "cpu":
         parser.error("this benchmark runs CPU ranks over gloo; the GPU path is checked by scripts/gpu_check.sh")
