@@ -345,8 +345,6 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
                 "clock / the fastest pinned combination's",
                 lambda r: f"{r['ratio']:.3f} ({r['with_startup']:.3f} with the start-up); cached / measuring "
                           f"{r['cached_over_measuring']:.3f}"),
-    "choices_screen": ("one epoch per image size, defaults / the fastest pinned combination (the screen)",
-                       lambda r: f"{r['ratio']:.3f} (worst of {len(r['cells'])} image sizes)"),
     "quickstart": ("quickstart: the start-up measurement's share of `make quickstart` on a fresh clone / of the "
                    "training command, measuring / cached; scores",
                    lambda r: f"{100 * r['ratio']:.2f}%"
