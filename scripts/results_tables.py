@@ -155,21 +155,12 @@ def small_conv(r: dict[str, Any]) -> list[str]:
 def replica_guard(r: dict[str, Any]) -> list[str]:
     return [*table(["what", "ms"], [["training step (" + r["baseline"] + ")", num(r["step_ms"])],
                                     ["weight checksum", num(r["checksum_ms"])]]), "",
-            (f"Checked every {r['every_steps']} steps and at each epoch end, {r['checks']} checks in a run of "
-             f"{r['epochs']} epochs of {r['steps_per_epoch']} steps (the quickstart's), the guard costs "
-             f"{100 * r['share']:.3g}% of its training time (its all-gather of one number per rank not timed)."
-             if "checks" in r else
-             f"Checked every {r['every_steps']} steps (epoch-end checks and the all-gather not counted), the guard "
-             f"costs {100 * r['share']:.3g}% of training time.")]
+            f"Checked every {r['every_steps']} steps and at each epoch end, {r['checks']} checks in a run of "
+            f"{r['epochs']} epochs of {r['steps_per_epoch']} steps (the quickstart's), the guard costs "
+            f"{100 * r['share']:.3g}% of its training time (its all-gather of one number per rank not timed)."]
 
 
 def transformer(r: dict[str, Any]) -> list[str]:
-    if "round_ratios" not in r:  # a single ordering of rounds, no spread recorded
-        rows = [["DDP + Adam (baseline)", num(r["baseline_tokens_per_s"]), "1.00x"],
-                ["recipe, dense", num(r["dense_tokens_per_s"]), times(r["dense_tokens_per_s"] / r["baseline_tokens_per_s"])]]
-        if r["comm"] != "dense":
-            rows.append([f"recipe, {r['comm']}", num(r["recipe_tokens_per_s"]), times(r["ratio"])])
-        return table(["contender", "tokens/s", "vs baseline"], rows)
     rows = [["DDP + Adam (baseline)", num(r["baseline_tokens_per_s"]), "1.00x", ""]]
     rows += [[f"recipe, {kind}", num(r[f"{kind}_tokens_per_s"]), times(statistics.median(ratios)),
               ", ".join(f"{x:.2f}" for x in ratios)] for kind, ratios in r["round_ratios"].items()]
@@ -333,14 +324,11 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "optim": ("FusedLARS step over a per-tensor LARS loop", lambda r: times(r["ratio"])),
     "small_conv": ("ResNet steps with small-map GEMM convolutions over oneDNN's", lambda r: times(r["ratio"])),
     "replica_guard": ("replica guard's share of training time (the checksum; its all-gather not timed)",
-                      lambda r: f"{100 * r['share']:.3g}% (every {r['every_steps']} steps"
-                                + (f" and {r['epochs']} epoch ends: the quickstart)" if "checks" in r else
-                                   "; epoch-end checks not counted)")),
+                      lambda r: f"{100 * r['share']:.3g}% (every {r['every_steps']} steps and {r['epochs']} epoch "
+                                "ends: the quickstart)"),
     "transformer": ("Transformer recipe (dense exchange) tokens/s over DDP + Adam",
-                    lambda r: times(r["ratio"]) + (f" (median of {r['rounds']} rotated rounds: "
-                                                   f"{min(r['round_ratios']['dense']):.2f}-"
-                                                   f"{max(r['round_ratios']['dense']):.2f})"
-                                                   if "round_ratios" in r else " (one run, fixed order)")),
+                    lambda r: f"{times(r['ratio'])} (median of {r['rounds']} rotated rounds: "
+                              f"{min(r['round_ratios']['dense']):.2f}-{max(r['round_ratios']['dense']):.2f})"),
     "choices": ("the TTA recipe at its defaults (precision, layout, convolutions, communicator measured), training "
                 "clock / the fastest pinned combination's",
                 lambda r: f"{r['ratio']:.3f} ({r['with_startup']:.3f} with the start-up); cached / measuring "

@@ -186,7 +186,7 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
     start = time.perf_counter()
     for r in range(1 if getattr(subject, "warmed_by_apply", False) else 0, rounds + 1):
         factor = WARMUP_PRUNE if r == 0 else ROUND_PRUNE
-        cut_factor = WARMUP_PRUNE if r == 0 else FIRST_ROUND_CUT
+        cut_factor = {0: WARMUP_PRUNE, 1: FIRST_ROUND_CUT}.get(r, math.inf)  # later rounds keep a median: no cut
         best = min((costs[c] for c in active), default=math.inf)  # the previous round's
         cut: dict[int, float] = {}
         for c in active:
@@ -209,7 +209,7 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
                 if not math.isfinite(so_far):
                     failed.add(c)
                     break
-                if r <= 1 and so_far > cut_factor * best:  # later rounds keep a median: a noisy one cuts nothing
+                if so_far > cut_factor * best:
                     cut[c] = so_far
                     break
             else:
@@ -219,8 +219,7 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
                  for c in range(len(candidates))]
         *round_costs, spent = reduce([*local, time.perf_counter() - start])
         for c in active:
-            costs[c] = max(cut[c], round_costs[c] if math.isfinite(round_costs[c]) else 0.0) if c in cut \
-                else round_costs[c]
+            costs[c] = cut.get(c, round_costs[c])
         best = min((costs[c] for c in active), default=math.inf)
         active = [c for c in active if c not in cut and math.isfinite(costs[c]) and costs[c] <= factor * best]
         if r >= 1 and spent > min(budget * best, budget_s):

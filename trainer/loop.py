@@ -43,13 +43,12 @@ class Trainer:
     stores all of it in every checkpoint."""
 
     def __init__(self, cfg: RunConfig, topo: Topology, task: Task, components: Components) -> None:
-        self.train_cfg, self.log_cfg, self.run_config = cfg.train, cfg.log, to_dict(cfg)
+        self.train_cfg, self.log_cfg = cfg.train, cfg.log
         self.topo, self.task = topo, task
         self.model, self.optimizer, self.comm = components.model, components.optimizer, components.comm
         self.metrics = components.metrics
         self.guard = components.guard or ReplicaGuard(0, topo)
         self.schedule = build_schedule(cfg.schedule, self.optimizer, cfg.train.epochs)
-        self.phases: list[Phase] = self.schedule.phases
         self.amp_candidates = amp_candidates(cfg.train.amp, topo.device)
         self.amp_dtype = AMP_DTYPES[self.amp_candidates[0]]
         self.scaler = build_grad_scaler(cfg.train.loss_scale, self.amp_dtype, topo.device)
@@ -62,7 +61,7 @@ class Trainer:
         # with the scaler's `found_inf` tensor set on it during the call, which the hook reads (the one sync).
         self._stepped = False
         self.optimizer.register_step_post_hook(self._on_optimizer_step)
-        self.checkpointer = Checkpointer(cfg.train, Path(cfg.log.dir) / "checkpoints", topo, self, self.run_config)
+        self.checkpointer = Checkpointer(cfg.train, Path(cfg.log.dir) / "checkpoints", topo, self, to_dict(cfg))
         self.preemption = Preemption(topo, cfg.train.preempt_grace_s, cfg.train.preempt_check_every_steps)
         # State (checkpointed): next epoch and the steps of it already done, global step, wall-clock seconds
         # so far, eval history, target time, steps the loss scaler skipped.
@@ -116,7 +115,7 @@ class Trainer:
         last = self.train_cfg.epochs - 1
         phases = [(p, self.steps_per_epoch(p) * (p.end_epoch - p.start_epoch),
                    sum(1 for e in range(p.start_epoch, p.end_epoch)
-                       if e == last or (e + 1) % self.train_cfg.eval_every_epochs == 0)) for p in self.phases]
+                       if e == last or (e + 1) % self.train_cfg.eval_every_epochs == 0)) for p in self.schedule.phases]
         folder = cache_folder(self.train_cfg.choices_cache)
         self.decision, _ = settle(
             self.decision, self.amp_candidates, phases,

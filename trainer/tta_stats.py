@@ -40,9 +40,8 @@ def first_reach(seconds: list[float], acc: list[float], target: float | None) ->
     """Seconds at the first evaluation of this curve at or above `target` (None: never, or no target): where the
     curve crosses the drawn line, for any --target and one metric (a run's own time to target is its
     summary.json's, trainer.dawnbench.RunSummary.time_to_target_s)."""
-    if not target:
-        return None
-    return next((s for s, a in zip(seconds, acc) if a >= target), None)
+    at = reached_at(acc, target, 1) if target else None
+    return None if at is None else seconds[at]
 
 
 def paired_ratio(recipe_s: float | None, baseline_s: float | None) -> float:

@@ -25,6 +25,7 @@ ratio = auto's training clock (measuring run) over the fastest pinned variant's,
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
@@ -37,6 +38,7 @@ from typing import Any, Sequence
 from scripts.bench import common
 from scripts.bench.common import print_table
 from trainer.run_record import read_run_record
+from trainer.tta_stats import epoch_records
 
 ROOT = common.REPO
 CONFIG = "configs/tta_recipe_cpu.yaml"
@@ -70,14 +72,13 @@ def one_epoch(size: int) -> list[str]:
 
 def read(out: Path) -> dict[str, Any]:
     """A finished run's training clock (its epochs' seconds), start-up seconds, decision, accuracy and commit."""
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    epochs = [float(m["time/epoch_s"]) for m in lines if "time/epoch_s" in m]
+    epochs = epoch_records(out)  # the recipe evaluates every epoch
     record = read_run_record(out) or {}
     choices = record.get("choices") or {}
     said = [line for line in (out / "train.log").read_text().splitlines() if line.startswith("comm auto")]
-    return {"clock_s": sum(epochs), "epochs_s": epochs, "startup_s": float(choices.get("seconds", 0.0)),
-            "choice": choices.get("choice"), "source": choices.get("source"),
-            "top1": float([m for m in lines if "eval/top1" in m][-1]["eval/top1"]),
+    return {"clock_s": sum(e["time/epoch_s"] for e in epochs), "epochs_s": [e["time/epoch_s"] for e in epochs],
+            "startup_s": float(choices.get("seconds", 0.0)), "choice": choices.get("choice"),
+            "source": choices.get("source"), "top1": float(epochs[-1]["eval/top1"]),
             "comm_auto": said[-1] if said else None, "commit": record.get("git_commit")}
 
 
@@ -162,11 +163,12 @@ def folder_name(size: int | None, round_index: int, name: str) -> str:
 def runs_from(out: Path, size: int | None = None) -> dict[str, list[dict[str, Any]]]:
     """An earlier run's results per variant, from its folders under `out`."""
     runs: dict[str, list[dict[str, Any]]] = {}
-    for name in [*AUTO, *PINNED]:
-        suffix = folder_name(size, 0, name).split("r0-", 1)[1]
-        for folder in sorted(out.glob(f"{f'{size}px-' if size else ''}r*-{suffix}")):
-            if folder.name.split("-", 2 if size else 1)[-1] == suffix:
-                runs.setdefault(name, []).append(read(folder))
+    for r in itertools.count():
+        found = [name for name in [*AUTO, *PINNED] if (out / folder_name(size, r, name)).is_dir()]
+        if not found:
+            break
+        for name in found:
+            runs.setdefault(name, []).append(read(out / folder_name(size, r, name)))
     if not runs:
         raise FileNotFoundError(f"{out}: no run folders ({'SIZEpx-' if size else ''}rROUND-VARIANT)")
     return runs

@@ -31,9 +31,7 @@ class AutoCommunicator(PlanExecutor):
     def __init__(self, cfg: CommConfig, model: nn.Module, topo: Topology) -> None:
         super().__init__(cfg, model, topo, "dense", {"topk": TOPK, "hitopk": TOPK}, intra=topo.intra_node,
                          inter=topo.inter_node, replans=True)
-        self.net_layout = Layout(topo.num_nodes, topo.ranks_per_node)
         self.calibration_steps = max(cfg.calibration_steps, cfg.dense_warmup_steps)
-        self.plan: list[Choice] = [DENSE] * len(self.buckets)
         self.net: Network | None = None
         """The fitted model (None until calibrated)."""
         self.ready_before_end: list[float] = []

@@ -153,15 +153,15 @@ def compare_with_measurements(calibration: dict) -> list[dict[str, Any]]:
     rows = []
     cores = int(calibration.get("cores", 2))
     for run in calibration["runs"]:
+        cluster = EmulatedCluster.from_run(run, cores)
         for name, m in run["models"].items():
+            spec = ModelSpec(name, list(m["buckets"]), list(m["bucket_ready"]))
+            compute = m["exchanges"]["compute only"]
+            pieces = [(row[2], row[4]) for row in m["sparse_local"]] if "sparse_local" in m else None
             for kind, cell in m["exchanges"].items():
                 if kind not in KINDS:  # "compute only", and auto (a choice per bucket: make_cells in the bench)
                     continue
-                cluster = EmulatedCluster.from_run(run, cores)
-                spec = ModelSpec(name, list(m["buckets"]), list(m["bucket_ready"]))
                 plan = fixed_plan(kind, spec.buckets, calibration["density"], calibration["dense_below"])
-                compute = m["exchanges"]["compute only"]
-                pieces = [(row[2], row[4]) for row in m["sparse_local"]] if "sparse_local" in m else None
                 exchange_cpu = max(cell["cpu_s"] - compute["cpu_s"], 0.0)
                 pred = cluster.step_s(compute, spec, plan, pieces, exchange_cpu)
                 rows.append({"model": name, "nodes": run["nodes"], "ranks_per_node": run["ranks_per_node"],

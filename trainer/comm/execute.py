@@ -98,6 +98,7 @@ class PlanExecutor(Communicator):
         self.executions: dict[str, Execution] = {"dense": self._dense, "dense16": self._dense, **(executions or {})}
         self.error_feedback = set(self.executions) != {"dense", "dense16"}  # the state holds residuals, even none
         self.intra, self.inter = intra, inter
+        self.net_layout = layout_of(topo)  # nodes x ranks per node, as the cost model counts bytes
         self.wire16 = WIRE_DTYPES[cfg.compression] or torch.bfloat16  # fp16's range needs a loss scaler behind it
         """The dtype of a dense16 wire: comm.compression's, bf16 when none."""
         self.selection = "mstopk" if cfg.selection == "auto" else cfg.selection
@@ -309,8 +310,7 @@ class PlanExecutor(Communicator):
 
     def count_exchange(self, bucket: Bucket, choice: Choice) -> None:
         """Add the bytes of `bucket`'s exchange as `choice` (the cost model's description) to the stats."""
-        layout = layout_of(self.topo)
-        sent, inter = exchange_bytes(describe(bucket.numel, choice, layout), layout)
+        sent, inter = exchange_bytes(describe(bucket.numel, choice, self.net_layout), self.net_layout)
         self.count(sent=sent, inter_node=inter)
 
     # ------------------------------------------------------------ error feedback

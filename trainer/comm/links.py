@@ -52,10 +52,8 @@ def allgather_s(payload_bytes: float, p: int, link: Link, sharing: int = 1) -> f
 def hierarchical_allreduce_s(nbytes: float, nodes: int, per_node: int, intra: Link, inter: Link) -> float:
     """NCCL-style 2-D allreduce: intra-node reduce-scatter, per_node parallel inter-node rings on 1/per_node
     shards (sharing the NIC), intra-node allgather."""
-    inter_s = 0.0
-    if nodes > 1:
-        inter_s = 2 * (nodes - 1) * inter.alpha_s + 2 * (nodes - 1) / nodes * nbytes / inter.bytes_per_s
-    return reduce_scatter_s(nbytes, per_node, intra) + inter_s + allgather_s(nbytes / per_node, per_node, intra)
+    return (reduce_scatter_s(nbytes, per_node, intra) + ring_allreduce_s(nbytes, nodes, inter)
+            + allgather_s(nbytes / per_node, per_node, intra))
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from kernels import mstopk
 from trainer.comm.base import Bucket
 from trainer.comm.config import CommConfig
 from trainer.comm.cost import k_of
-from trainer.comm.execute import SELECTIONS, PlanExecutor
+from trainer.comm.execute import PlanExecutor
 from trainer.comm.plan import Choice
 from trainer.dist import Group, Topology
 
