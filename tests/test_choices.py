@@ -76,16 +76,17 @@ def test_a_candidate_with_a_slow_first_step_is_judged_on_its_measured_steps():
     """A first step's one-time work (creating a kernel for the shape) can make the fastest candidate look 3x
     behind in the warm-up round: it must still be measured, and kept."""
     fastest = {"amp": "bf16", "channels_last": False, "small_map_gemm": False}
-    probes = len(small_task().probes([(p, 8 * (p.end_epoch - p.start_epoch), 1) for p in PHASES]))
+    probes = small_task().probes([(p, 8 * (p.end_epoch - p.start_epoch), 1) for p in PHASES])
+    warm = sum(p.warm for p in probes)
     real, calls = wall_timer(CPU), []
 
     def timer(step, choice: Choice) -> float:
         calls.append(choice == fastest)
-        first = choice == fastest and sum(calls) <= probes  # its warm-up round: one step per probe
+        first = choice == fastest and sum(calls) <= warm  # its warm-up round: one step per warm probe
         return real(step, choice) + (3.0 if first else 0.0 if choice == fastest else 1.0)
     decision = decide_for(small_task(), timer)
     assert decision.choice == fastest
-    assert sum(calls) == 3 * probes  # the warm-up and both measured rounds
+    assert sum(calls) == warm + 2 * len(probes)  # the warm-up and both measured rounds
 
 
 def test_a_candidate_far_behind_is_dropped_at_its_first_shape():
@@ -121,6 +122,10 @@ def test_probes_cover_every_training_and_evaluation_shape_with_the_runs_steps():
     steps = {(p.train, p.batch[0].shape[-1]): p.steps for p in probes}
     # 12 validation images on one rank in batches of 4: 3 per evaluation; both phases evaluate at 12 px
     assert steps == {(True, 8): 16, (True, 12): 8, (False, 12): 9}
+    warm = {(p.train, p.batch[0].shape[-1]): p.warm for p in probes}
+    assert warm == {(True, 8): True, (True, 12): True, (False, 12): False}  # the evaluation's shape is a training one's
+    only_eval = task.probes([(Phase(0, 2, image_size=8, batch_size=4, val_image_size=16), 16, 1)])
+    assert [(p.train, p.warm) for p in only_eval] == [(True, True), (False, True)]  # 16 px: warmed by nothing else
 
 
 def test_the_task_applies_each_choice_both_ways():
@@ -144,8 +149,9 @@ def test_the_budget_stops_the_rounds_after_the_first_measured_one(budget, rounds
     log: list = []
     slow_bf16 = penalty(lambda c: c["amp"] == "bf16", log=log)
     decision = decide_for(small_task(), lambda step, choice: slow_bf16(step, choice) + 1.0, budget=budget)
-    probes = len(small_task().probes([(p, 8 * (p.end_epoch - p.start_epoch), 1) for p in PHASES]))
-    assert max(sum(c == other for c in log) for other in log) == rounds * probes
+    probes = small_task().probes([(p, 8 * (p.end_epoch - p.start_epoch), 1) for p in PHASES])
+    # the warm-up runs the warm probes (the evaluation at a training shape is not), each measured round all
+    assert max(sum(c == other for c in log) for other in log) == sum(p.warm for p in probes) + (rounds - 1) * len(probes)
 
 
 def test_a_failing_candidate_is_dropped_with_a_warning():
@@ -318,7 +324,7 @@ def test_a_resumed_run_keeps_the_checkpoints_decision_not_the_caches(tmp_path, d
     entry.write_text(json.dumps(doc))
     resumed = main([*argv, "--resume"])
     assert resumed["choices"] == {"choice": first["choices"]["choice"], "source": "checkpoint", "costs_s": {},
-                                  "seconds": 0.0}
+                                  "seconds": 0.0, "parts_s": {}}
     assert json.loads((out / "env.json").read_text())["choices"]["source"] == "checkpoint"
     for name, value in load_model_state(checkpoint_dirs(out)[0]).items():
         assert torch.equal(value, final[name]), name

@@ -47,6 +47,9 @@ class Probe:
     steps: float
     name: str
     train: bool = True
+    warm: bool = True
+    """Whether the warm-up round runs it; False for a shape another probe's steps warm up (an evaluation at a
+    training probe's batch and image size: the same convolutions, forward)."""
 
 
 class Subject(Protocol):
@@ -109,6 +112,8 @@ class Decision:
     JSON) for a candidate that failed; from the measurement that made the decision (a cached decision's too)."""
     seconds: float = 0.0
     """Wall time spent deciding in this start (measuring, or reading the cache)."""
+    parts_s: dict[str, float] = field(default_factory=dict)
+    """`seconds` per group of choices decided together (its names joined by '+')."""
 
     def joined(self, other: Decision) -> Decision:
         """This decision and one over other choices, as one record; its source the first of checkpoint, measured,
@@ -116,7 +121,7 @@ class Decision:
         order = ("checkpoint", "measured", "cache", "default", "pinned")  # a resume's record says so
         source = min(self.source, other.source, key=order.index)
         return Decision({**self.choice, **other.choice}, source, {**self.costs_s, **other.costs_s},
-                        self.seconds + other.seconds)
+                        self.seconds + other.seconds, {**self.parts_s, **other.parts_s})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON: a failed candidate's cost is null."""
@@ -141,7 +146,9 @@ class Decision:
         table = "; ".join(f"{name} {'failed' if seconds is None or not math.isfinite(seconds) else f'{seconds:.1f} s'}"
                           for name, seconds in ranked)
         how = {"measured": "measured", "cache": "from the cache", "checkpoint": "from the checkpoint"}[self.source]
-        return (f"choices {how} in {self.seconds:.1f} s: {kept}" +
+        parts = f" ({', '.join(f'{group} {s:.1f} s' for group, s in self.parts_s.items())})" \
+            if len(self.parts_s) > 1 else ""
+        return (f"choices {how} in {self.seconds:.1f} s{parts}: {kept}" +
                 (f" (predicted seconds of the run's steps and evaluations: {table})" if table else ""))
 
 
@@ -156,9 +163,6 @@ even so is dropped on it."""
 ROUND_PRUNE = 1.25
 """After each measured round, a candidate more than this many times the best's current cost is measured no
 further (its cost stays its estimate so far)."""
-FIRST_ROUND_CUT = 2.0
-"""Within the first measured round, a candidate whose shapes so far already cost more than this many times the
-best complete cost is measured no further: wide enough that one noisy step does not drop a near tie."""
 
 
 def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rounds: int, timer: Timer,
@@ -166,11 +170,13 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
             budget_s: float = math.inf) -> list[float]:
     """Per candidate: the sum over probes of (the probe's steps x the median of its timed steps), in seconds;
     candidates interleaved round by round. Round 0 warms each candidate up (first-touch allocations, kernel
-    selection) and is timed only to drop candidates far behind (`WARMUP_PRUNE`); then up to `rounds` measured
+    selection) at its `warm` probes and is timed only to drop candidates far behind (`WARMUP_PRUNE`); then up to `rounds` measured
     rounds, after each of which candidates clearly behind are dropped (`ROUND_PRUNE`), so slow candidates cost
-    little; within the warm-up and the first measured round (whose times are a candidate's whole estimate), a
-    candidate whose probes so far already cost more than `WARMUP_PRUNE` / `FIRST_ROUND_CUT` x the best complete
-    cost is dropped at once, its part-round cost (a lower bound) kept as its cost. No further round
+    little. Within the warm-up and the first measured round (whose times are a candidate's whole estimate), a
+    candidate whose probes so far already cost more than that round's factor x its best complete cost is dropped
+    at once, its part-round cost kept as its cost: a part is a lower bound of the whole, so the cut drops only
+    candidates that the round's end would drop, and probes run largest first (by steps) so that it comes early.
+    No further round
     starts once the measurement's own seconds exceed `budget` x the best candidate's cost, or `budget_s` (the
     first measured round always runs). A subject whose `apply` warms a candidate up itself (`warmed_by_apply`)
     skips round 0. `reduce` averages a cost list over the ranks, after every probe and every round, so every
@@ -183,17 +189,20 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
     failed: set[int] = set()
     active = list(range(len(candidates)))
     costs = [math.inf] * len(candidates)
+    order = sorted(range(len(probes)), key=lambda p: -probes[p].steps)
     start = time.perf_counter()
     for r in range(1 if getattr(subject, "warmed_by_apply", False) else 0, rounds + 1):
         factor = WARMUP_PRUNE if r == 0 else ROUND_PRUNE
-        cut_factor = {0: WARMUP_PRUNE, 1: FIRST_ROUND_CUT}.get(r, math.inf)  # later rounds keep a median: no cut
-        best = min((costs[c] for c in active), default=math.inf)  # the previous round's
+        cut_factor = factor if r <= 1 else math.inf  # later rounds keep a median, which a part does not bound
+        best = math.inf  # this round's best complete cost so far
         cut: dict[int, float] = {}
+        timed = [p for p in order if r > 0 or probes[p].warm]
         for c in active:
             partial = 0.0
-            for p, probe in enumerate(probes):
+            for i, p in enumerate(timed):
+                probe = probes[p]
                 try:
-                    if p == 0:
+                    if i == 0:
                         subject.apply(candidates[c])
                     seconds = timer(lambda: subject.step(probe.batch, probe.train), candidates[c])
                     if not math.isfinite(seconds):
@@ -214,8 +223,8 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
                     break
             else:
                 best = min(best, so_far)  # a complete round's cost, the same on every rank
-        local = [math.inf if c in failed or not all(times[c, p] for p in range(len(probes))) else
-                 sum(probe.steps * statistics.median(times[c, p]) for p, probe in enumerate(probes))
+        local = [math.inf if c in failed or not all(times[c, p] for p in timed) else
+                 sum(probes[p].steps * statistics.median(times[c, p]) for p in timed)
                  for c in range(len(candidates))]
         *round_costs, spent = reduce([*local, time.perf_counter() - start])
         for c in active:
@@ -341,7 +350,7 @@ def run_key(topo: Topology, model: torch.nn.Module | None, space: dict[str, Sequ
             "class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
             "structure": hashlib.sha256(repr(model).encode()).hexdigest()[:16]},
         "probes": [[probe.name, probe.steps] for probe in probes], "space": {k: list(v) for k, v in space.items()},
-        "rounds": rounds, "pruning": [WARMUP_PRUNE, FIRST_ROUND_CUT, ROUND_PRUNE]})
+        "rounds": rounds, "pruning": [WARMUP_PRUNE, ROUND_PRUNE]})
 
 
 # ---------------------------------------------------------------- the decision
@@ -382,8 +391,10 @@ def decide(space: dict[str, Sequence[Any]], probes: list[Probe], subject: Subjec
             warnings.warn(f"measured choices: the cache could not be read ({e}); measuring", stacklevel=2)
     if topo.distributed:
         entry = topo.world.broadcast_object(entry, src=0)
+    group = "+".join(space)
     if entry is not None and entry["choice"] in candidates:
-        return Decision(entry["choice"], "cache", entry.get("costs_s", {}), time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        return Decision(entry["choice"], "cache", entry.get("costs_s", {}), seconds, {group: seconds})
     def mean_over_ranks(costs: list[float]) -> list[float]:
         return [cost / topo.world_size for cost in all_reduce_sum(costs, topo)] if topo.distributed else costs
     with subject.preserved():
@@ -391,8 +402,9 @@ def decide(space: dict[str, Sequence[Any]], probes: list[Probe], subject: Subjec
     if topo.device.type == "cuda":
         torch.cuda.empty_cache()  # the candidates' workspaces
     best = pick(costs, list(space))
+    seconds = time.perf_counter() - start
     decision = Decision(candidates[best], "measured", {label(c): cost for c, cost in zip(candidates, costs)},
-                        time.perf_counter() - start)
+                        seconds, {group: seconds})
     if cache is not None and topo.is_main:
         cache.put(key, decision)
     return decision

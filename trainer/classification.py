@@ -130,7 +130,7 @@ class ClassificationTask(Task):
         and labels, from a fixed generator (the run's generators are not touched): one training batch per
         distinct (per-rank batch, image size) with the run's steps at it, and one evaluation batch per distinct
         (batch, validation size) with the evaluations' batches at it (square crops stand in for rectangular
-        validation)."""
+        validation), left out of the warm-up round where a training batch has its shape."""
         layout, dtype = getattr(self.data, "batch_format", (torch.contiguous_format, torch.float32))
         val_size = getattr(self.data, "val_size", 0)
         steps: dict[tuple[bool, int, int], float] = {}
@@ -144,7 +144,8 @@ class ClassificationTask(Task):
         gen = torch.Generator().manual_seed(0)
         return [Probe((torch.randn(b, 3, size, size, generator=gen).to(dtype).contiguous(memory_format=layout),
                        torch.randint(0, self.data.num_classes, (b,), generator=gen)), n,
-                      f"{'train' if train else 'eval'} {b}x{size}px {str(dtype)[6:]}", train)
+                      f"{'train' if train else 'eval'} {b}x{size}px {str(dtype)[6:]}", train,
+                      warm=train or (True, b, size) not in steps)
                 for (train, b, size), n in steps.items()]
 
     def prepare_probe(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

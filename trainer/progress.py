@@ -88,7 +88,8 @@ def print_plan(topo: Topology, model: nn.Module, amp_dtype: torch.dtype | None, 
         return
     n_params = sum(p.numel() for p in model.parameters())
     print(f"world {topo.world_size} = {topo.num_nodes} node(s) x {topo.ranks_per_node} rank(s) on {topo.device}; "
-          f"amp {amp_dtype}; {n_params / 1e6:.2f} M parameters")
+          f"amp {'off (fp32)' if amp_dtype is None else str(amp_dtype).removeprefix('torch.')}; "
+          f"{n_params / 1e6:.2f} M parameters")
     for p in schedule.phases:
         print(f"  epochs {p.start_epoch:>3}-{p.end_epoch - 1:<3} {task.describe(p)}  {steps_per_epoch(p)} steps/epoch")
     print("  " + schedule.describe(lambda e: steps_per_epoch(schedule.phase(e))))

@@ -123,8 +123,9 @@ class SelectionStep:
 
 class InputStep:
     """The Subject of `data.workers`: a loader per candidate for `phase`, built once; applying a
-    candidate first uses up, untimed, the batches its loader prepared while the others were measured (its queue:
-    `drain` batches), so that a step - `steps` training steps of the run's model on the loader's batches,
+    candidate first takes, untimed, the batches its loader prepared while the others were measured (its queue:
+    `drain` batches, fetched without computing) and then one training step (during which the loader refills as
+    it does in training), so that a step - `steps` training steps of the run's model on the loader's batches,
     fetch included - times the loader and the model running together, at the pace they keep, under the choices
     `run_step` has applied. Applying warms a candidate up (its loader built, its queue drained), so no warm-up
     round is needed."""
@@ -147,8 +148,9 @@ class InputStep:
         if workers not in self.batches:
             self.batches[workers] = self.task.input_batches(self.phase, workers)
         self.current = self.batches[workers]
-        for batch in itertools.islice(self.current, self.drain(workers)):
-            self.run_step.step(batch, True)
+        for _ in itertools.islice(self.current, self.drain(workers)):
+            pass
+        self.run_step.step(next(self.current), True)
 
     def step(self, batch: Any, train: bool) -> None:
         for batch in itertools.islice(self.current, self.steps):
