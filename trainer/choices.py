@@ -29,6 +29,7 @@ import torch
 
 from trainer.config import ConfigError
 from trainer.dist import Topology, all_reduce_sum
+from trainer.run_record import device_name, kernel_flags
 
 Choice = dict[str, Any]
 """One combination: a value per choice name, e.g. {"amp": "bf16", "channels_last": False}."""
@@ -319,19 +320,6 @@ def kernels_build() -> str:
     return digest.hexdigest()[:16]
 
 
-def device_name(device: torch.device) -> str:
-    from trainer.run_record import cpu_info
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(cpu_info()["model"])
-
-
-def cpu_flags() -> list[str]:
-    """The instruction-set flags that change which kernels run (a model name such as "AMD EPYC" can cover
-    machines with and without AVX-512)."""
-    from trainer.run_record import cpu_info
-    return sorted(set(cpu_info()["flags"] or []) & {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16",
-                                                      "avx512_fp16", "avx512_vnni"})
-
-
 def run_key(topo: Topology, model: torch.nn.Module | None, space: dict[str, Sequence[Any]], probes: list[Probe],
             rounds: int) -> dict[str, Any]:
     """Everything that changes which candidate is fastest: the device model and the CPU's kernel-relevant flags,
@@ -340,7 +328,7 @@ def run_key(topo: Topology, model: torch.nn.Module | None, space: dict[str, Sequ
     (shapes and steps), the candidates, the rounds and the pruning factors (entries decided under other rules
     are not reused)."""
     return _plain({
-        "device": device_name(topo.device), "device_type": topo.device.type, "cpu_flags": cpu_flags(),
+        "device": device_name(topo.device), "device_type": topo.device.type, "cpu_flags": kernel_flags(),
         "cores": len(os.sched_getaffinity(0)),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if topo.device.type == "cuda" else None,

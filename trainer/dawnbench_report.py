@@ -19,7 +19,6 @@ import importlib.metadata
 import json
 import math
 import os
-import platform
 import re
 import tempfile
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import yaml
 
 from trainer.classification import DawnbenchWriter  # the TSV format is defined once, there
 from trainer.dawnbench import PUBLISHED, PUBLISHED_TARGET, RunSummary, SummaryError, read_summary
-from trainer.run_record import describe_devices, read_run_record
+from trainer.run_record import cpu_info, describe_devices, read_run_record
 
 DAWNBENCH_VERSION = "v1.0"  # the only version the entries repository defines
 
@@ -189,12 +188,8 @@ def hardware_of_this_machine(run: Run) -> Hardware:
     if on_gpu:
         return Hardware(f"{n} × {torch.cuda.get_device_name(0)} (one per rank; {torch.cuda.device_count()} "
                         f"on this machine)", f"{n}gpu")
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-    return Hardware(f"{n} CPU process{'es' * (n != 1)} on {cpu}, {os.cpu_count()} logical cores, no GPU", f"{n}cpu")
+    return Hardware(f"{n} CPU process{'es' * (n != 1)} on {cpu_info()['model']}, {os.cpu_count()} logical cores, "
+                    "no GPU", f"{n}cpu")
 
 
 def environment(record: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -60,6 +60,22 @@ def cpu_info() -> dict[str, Any]:
             "flags": flags}
 
 
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16")
+"""The instruction-set flags that change which kernels run (a model name such as "AMD EPYC" can cover machines with
+and without AVX-512)."""
+
+
+def kernel_flags() -> list[str]:
+    """This CPU's `KERNEL_FLAGS`, in that order."""
+    flags = set(cpu_info()["flags"] or [])
+    return [f for f in KERNEL_FLAGS if f in flags]
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(cpu_info()["model"])
+
+
 def versions() -> dict[str, Any]:
     """torch and the GPU libraries it was built with and loads; DALI and Horovod when installed."""
     def safe(fn: Any) -> Any:
@@ -105,9 +121,8 @@ def gpus() -> dict[str, Any]:
 
 def this_rank(topo: Topology) -> dict[str, Any]:
     device = str(topo.device)
-    name = torch.cuda.get_device_name(topo.device) if topo.device.type == "cuda" else cpu_info()["model"]
     return {"rank": topo.rank, "host": socket.gethostname(), "local_rank": topo.local_rank, "device": device,
-            "device_name": name}
+            "device_name": device_name(topo.device)}
 
 
 def collect(topo: Topology, ranks: list[dict[str, Any]]) -> dict[str, Any]:

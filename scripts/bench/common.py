@@ -25,10 +25,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from trainer.run_record import cpu_info, device_name, kernel_flags
+
 DEFAULT_THREADS = 2  # the CPU box has two cores
 REPO = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO / "docs" / "results"
-_FLAGS_THAT_MATTER = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 _run: dict[str, Any] = {}  # what parse_args saw: where and under which name emit_result writes
 
 
@@ -60,19 +61,7 @@ def record_run(args: argparse.Namespace) -> None:
 
 def machine() -> dict[str, Any]:
     """The CPU model, cores, the instruction-set flags that change kernel choices, the GPU (if any) and torch."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
-    info: dict[str, Any] = {"cpu": model, "cores": os.cpu_count(),
-                            "cpu_flags": [f for f in _FLAGS_THAT_MATTER if f in flags],
+    info: dict[str, Any] = {"cpu": cpu_info()["model"], "cores": os.cpu_count(), "cpu_flags": kernel_flags(),
                             "torch": torch.__version__, "python": platform.python_version()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -123,8 +112,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = Non
     torch.set_num_threads(args.threads)
     record_run(args)
     device = torch.device(args.device)
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
-             else platform.processor() or platform.machine())
+    where = device_name(device)
     print(f"# {parser.prog}: {where}, {args.threads} CPU threads, torch {torch.__version__}, "
           f"{'quick' if args.quick else 'full'} size; median of repeats, warm-up excluded")
     return args
