@@ -2,6 +2,7 @@
 add seconds to one candidate's measured steps, so each test knows which candidate must win; the decision ranks
 share when they measure differently; the per-machine cache; a resumed run keeps its checkpoint's decision."""
 
+import contextlib
 import json
 import math
 import shutil
@@ -122,10 +123,7 @@ def test_probes_cover_every_training_and_evaluation_shape_with_the_runs_steps():
     steps = {(p.train, p.batch[0].shape[-1]): p.steps for p in probes}
     # 12 validation images on one rank in batches of 4: 3 per evaluation; both phases evaluate at 12 px
     assert steps == {(True, 8): 16, (True, 12): 8, (False, 12): 9}
-    warm = {(p.train, p.batch[0].shape[-1]): p.warm for p in probes}
-    assert warm == {(True, 8): True, (True, 12): True, (False, 12): False}  # the evaluation's shape is a training one's
-    only_eval = task.probes([(Phase(0, 2, image_size=8, batch_size=4, val_image_size=16), 16, 1)])
-    assert [(p.train, p.warm) for p in only_eval] == [(True, True), (False, True)]  # 16 px: warmed by nothing else
+    assert all(p.warm == p.train for p in probes)  # evaluations are warmed up in the first measured round
 
 
 def test_the_task_applies_each_choice_both_ways():
@@ -394,5 +392,58 @@ def test_a_run_applies_the_measured_selection_and_input_threads(digits_root, tmp
         second, _ = settle(None, ["off", "bf16"], [(PHASES[0], 6, 1), (PHASES[1], 2, 1)], step, Topology(), cache,
                            rounds=1, budget=float("inf"), timer=slow, cores=2)
         assert not log and second.source == "cache" and second.choice == decision.choice
+        # the seconds per group of choices, in the record and the log line
+        assert set(decision.parts_s) == set(second.parts_s) == {"amp+channels_last+small_map_gemm", "workers"}
+        assert sum(decision.parts_s.values()) == pytest.approx(decision.seconds)
+        assert "(amp+channels_last+small_map_gemm " in decision.describe() and ", workers " in decision.describe()
     finally:
         task.data.close()
+
+
+class CountingSubject:
+    """A Subject whose steps only record (candidate, probe) in order; the timer gives each candidate a fixed
+    time per step, so the test knows every cost exactly."""
+
+    def __init__(self) -> None:
+        self.current, self.calls = None, []
+
+    def apply(self, choice: Choice) -> None:
+        self.current = choice["x"]
+
+    def step(self, batch, train: bool) -> None:
+        self.calls.append((self.current, batch))
+
+    def preserved(self):
+        return contextlib.nullcontext()
+
+
+def test_the_first_measured_round_cuts_at_its_prune_factor_against_its_own_best_largest_probes_first():
+    """Per-step times 1.0, 2.0 and 1.2; probes of 10, 1 and 5 steps, the last warmed up in round 1 (an untimed step
+    before its timed one). Round 1 runs the probes largest first; candidate 1 passes 1.25 x candidate 0's complete
+    16 s after its second probe and is cut there (a 2x cut, a best carried over from the warm-up's two probes, or
+    the probes in their listed order would each run other steps)."""
+    from trainer.choices import measure
+
+    probes = [Probe("p10", 10, "p10"), Probe("p1", 1, "p1"), Probe("p5", 5, "p5", train=False, warm=False)]
+    subject, per_step = CountingSubject(), {0: 1.0, 1: 2.0, 2: 1.2}
+
+    def timer(step, choice: Choice) -> float:
+        step()
+        return per_step[choice["x"]]
+    costs = measure([{"x": 0}, {"x": 1}, {"x": 2}], probes, subject, 2, timer)
+    warm_up, first, second = subject.calls[:6], subject.calls[6:17], subject.calls[17:]
+    assert warm_up == [(c, p) for c in range(3) for p in ("p10", "p1")]
+    assert first == [(0, "p10"), (0, "p5"), (0, "p5"), (0, "p1"), (1, "p10"), (1, "p5"), (1, "p5"),
+                     (2, "p10"), (2, "p5"), (2, "p5"), (2, "p1")]
+    assert costs == [16.0, 30.0, pytest.approx(19.2)]  # the cut one's cost: its part, a lower bound
+    assert second == [(0, "p10"), (0, "p5"), (0, "p1"), (2, "p10"), (2, "p5"), (2, "p1")]  # no warm-up step again;
+    # within 1.25x: measured again, the cut one not
+
+
+def test_with_no_probe_marked_warm_the_warm_up_runs_them_all():
+    from trainer.choices import measure
+
+    subject = CountingSubject()
+    probes = [Probe("a", 2, "a", warm=False), Probe("b", 1, "b", warm=False)]
+    measure([{"x": 0}], probes, subject, 1, lambda step, choice: step() or 1.0)
+    assert subject.calls == [(0, "a"), (0, "b")] * 2

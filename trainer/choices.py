@@ -49,8 +49,8 @@ class Probe:
     name: str
     train: bool = True
     warm: bool = True
-    """Whether the warm-up round runs it; False for a shape another probe's steps warm up (an evaluation at a
-    training probe's batch and image size: the same convolutions, forward)."""
+    """Whether the warm-up round runs it; False: its warm-up step runs in the first measured round instead, just
+    before its timed step, so that a candidate cut before reaching it never pays for it."""
 
 
 class Subject(Protocol):
@@ -171,14 +171,13 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
             budget_s: float = math.inf) -> list[float]:
     """Per candidate: the sum over probes of (the probe's steps x the median of its timed steps), in seconds;
     candidates interleaved round by round. Round 0 warms each candidate up (first-touch allocations, kernel
-    selection) at its `warm` probes and is timed only to drop candidates far behind (`WARMUP_PRUNE`); then up to `rounds` measured
-    rounds, after each of which candidates clearly behind are dropped (`ROUND_PRUNE`), so slow candidates cost
-    little. Within the warm-up and the first measured round (whose times are a candidate's whole estimate), a
-    candidate whose probes so far already cost more than that round's factor x its best complete cost is dropped
-    at once, its part-round cost kept as its cost: a part is a lower bound of the whole, so the cut drops only
-    candidates that the round's end would drop, and probes run largest first (by steps) so that it comes early.
-    No further round
-    starts once the measurement's own seconds exceed `budget` x the best candidate's cost, or `budget_s` (the
+    selection) at its `warm` probes (the others are warmed up, untimed, just before their first timed step) and is
+    timed only to drop candidates far behind (`WARMUP_PRUNE`); then up to `rounds` measured rounds, after each of
+    which candidates clearly behind are dropped (`ROUND_PRUNE`), so slow candidates cost little. Within the warm-up
+    and the first measured round (whose times are a candidate's whole estimate), a candidate whose probes so far
+    already cost more than that round's factor x the round's best complete cost is dropped at once, its part-round
+    cost kept as its cost: a part is a lower bound of the whole, so the cut drops only candidates that the round's
+    end would drop, and probes run largest first (by steps) so that it comes early. No further round starts once the measurement's own seconds exceed `budget` x the best candidate's cost, or `budget_s` (the
     first measured round always runs). A subject whose `apply` warms a candidate up itself (`warmed_by_apply`)
     skips round 0. `reduce` averages a cost list over the ranks, after every probe and every round, so every
     rank drops the same candidates at the same probe and stops alike. A candidate that raises (an unsupported
@@ -191,13 +190,16 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
     active = list(range(len(candidates)))
     costs = [math.inf] * len(candidates)
     order = sorted(range(len(probes)), key=lambda p: -probes[p].steps)
+    warmed: set[int] = set()
     start = time.perf_counter()
     for r in range(1 if getattr(subject, "warmed_by_apply", False) else 0, rounds + 1):
         factor = WARMUP_PRUNE if r == 0 else ROUND_PRUNE
         cut_factor = factor if r <= 1 else math.inf  # later rounds keep a median, which a part does not bound
         best = math.inf  # this round's best complete cost so far
         cut: dict[int, float] = {}
-        timed = [p for p in order if r > 0 or probes[p].warm]
+        timed = [p for p in order if r > 0 or probes[p].warm] or order
+        if r == 0:
+            warmed = set(timed)
         for c in active:
             partial = 0.0
             for i, p in enumerate(timed):
@@ -205,6 +207,8 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
                 try:
                     if i == 0:
                         subject.apply(candidates[c])
+                    if r == 1 and p not in warmed and not getattr(subject, "warmed_by_apply", False):
+                        subject.step(probe.batch, probe.train)  # its warm-up step, untimed
                     seconds = timer(lambda: subject.step(probe.batch, probe.train), candidates[c])
                     if not math.isfinite(seconds):
                         raise FloatingPointError(f"the timer returned {seconds}")
