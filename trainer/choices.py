@@ -58,16 +58,13 @@ class Subject(Protocol):
 
     def apply(self, choice: Choice) -> None:
         """Switch the model (and whatever else the choice names) to `choice`."""
-        ...
 
     def step(self, batch: Any, train: bool) -> None:
         """One step on `batch` under the applied choice: moved into the choice's layout, then forward and
         backward (`train`) or forward alone without gradients (evaluation)."""
-        ...
 
     def preserved(self) -> contextlib.AbstractContextManager:
         """A context that leaves weights, buffers, gradients and random generators as they were before."""
-        ...
 
 
 Timer = Callable[[Callable[[], None], Choice], float]
@@ -171,20 +168,20 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
             budget_s: float = math.inf) -> list[float]:
     """Per candidate: the sum over probes of (the probe's steps x the median of its timed steps), in seconds;
     candidates interleaved round by round. Round 0 warms each candidate up (first-touch allocations, kernel
-    selection) at its `warm` probes (the others are warmed up, untimed, just before their first timed step) and is
+    selection) at its `warm` probes (the others get an untimed step just before their first timed one) and is
     timed only to drop candidates far behind (`WARMUP_PRUNE`); then up to `rounds` measured rounds, after each of
-    which candidates clearly behind are dropped (`ROUND_PRUNE`), so slow candidates cost little. Within the warm-up
-    and the first measured round (whose times are a candidate's whole estimate), a candidate whose probes so far
-    already cost more than that round's factor x the round's best complete cost is dropped at once, its part-round
-    cost kept as its cost: a part is a lower bound of the whole, so the cut drops only candidates that the round's
-    end would drop, and probes run largest first (by steps) so that it comes early. No further round starts once the measurement's own seconds exceed `budget` x the best candidate's cost, or `budget_s` (the
-    first measured round always runs). A subject whose `apply` warms a candidate up itself (`warmed_by_apply`)
-    skips round 0. `reduce` averages a cost list over the ranks, after every probe and every round, so every
-    rank drops the same candidates at the same probe and stops alike. A candidate that raises (an unsupported
-    kernel, out of memory, anything) is `inf`, with a warning naming it and the error, and dropped on every
-    rank at that probe - when it raises on every rank, or outside a step's own collectives: one that raises on
-    one rank in the middle of a training step's gradient exchange leaves the others waiting in that exchange
-    until the process group's timeout names the rank."""
+    which candidates clearly behind are dropped (`ROUND_PRUNE`). Within the warm-up and the first measured round
+    (whose times are a candidate's whole estimate), a candidate whose probes so far already cost more than that
+    round's factor x its best complete cost is dropped at once, its part-round cost (a lower bound of the whole,
+    so the cut drops only what the round's end would) kept as its cost; probes run largest first (by steps) so
+    that the cut comes early. No further round starts once the measurement's own seconds exceed `budget` x the
+    best candidate's cost, or `budget_s` (the first measured round always runs). A subject whose `apply` warms a
+    candidate up itself (`warmed_by_apply`) skips round 0. `reduce` averages a cost list over the ranks, after
+    every probe and every round, so every rank drops the same candidates at the same probe and stops alike. A
+    candidate that raises (an unsupported kernel, out of memory, anything) is `inf`, with a warning naming it and
+    the error, and dropped on every rank at that probe - when it raises on every rank, or outside a step's own
+    collectives: one that raises on one rank in the middle of a training step's gradient exchange leaves the
+    others waiting in that exchange until the process group's timeout names the rank."""
     times: dict[tuple[int, int], list[float]] = {(c, p): [] for c in range(len(candidates)) for p in range(len(probes))}
     failed: set[int] = set()
     active = list(range(len(candidates)))
@@ -198,8 +195,7 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
         best = math.inf  # this round's best complete cost so far
         cut: dict[int, float] = {}
         timed = [p for p in order if r > 0 or probes[p].warm] or order
-        if r == 0:
-            warmed = set(timed)
+        warmed = set(timed) if r == 0 else warmed
         for c in active:
             partial = 0.0
             for i, p in enumerate(timed):
@@ -207,7 +203,7 @@ def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rou
                 try:
                     if i == 0:
                         subject.apply(candidates[c])
-                    if r == 1 and p not in warmed and not getattr(subject, "warmed_by_apply", False):
+                    if r == 1 and not probe.warm and p not in warmed:
                         subject.step(probe.batch, probe.train)  # its warm-up step, untimed
                     seconds = timer(lambda: subject.step(probe.batch, probe.train), candidates[c])
                     if not math.isfinite(seconds):
