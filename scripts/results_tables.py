@@ -33,13 +33,6 @@ class ResultsError(ValueError):
     """A marker names a table that cannot be made (no renderer, or no result file)."""
 
 
-def load(results_dir: Path, bench: str) -> dict[str, Any]:
-    path = results_dir / f"{bench}.json"
-    if not path.exists():
-        raise ResultsError(f"{path}: missing; `python -m scripts.bench.{bench}` writes it")
-    return json.loads(path.read_text())
-
-
 def num(value: float, digits: int = 3) -> str:
     """`digits` significant digits, thousands separated, no exponent."""
     if value == 0:
@@ -248,18 +241,35 @@ def ratio_or_none(value: float | None) -> str:
 
 
 def tta(r: dict[str, Any]) -> list[str]:
-    def cell(seconds: float | None, epochs: int | None) -> str:
-        return "missed" if seconds is None else f"{seconds:.1f} (epoch {epochs})"
+    """Per target the paired ratios' median, intervals and misses; per seed the headline targets' times; each
+    side's final top-1."""
+    def seconds(x: float | None, epochs: int | None) -> str:
+        return "missed" if x is None else f"{x:.1f} (ep. {epochs})"
 
-    rows = [[seed, cell(bs, be), cell(rs, re_), ratio_or_none(ratio)]
-            for seed, bs, be, rs, re_, ratio in zip(r["seeds"], r["baseline_s"], r["baseline_epochs"],
-                                                    r["recipe_s"], r["recipe_epochs"], r["ratios"])]
-    low, high = ("unbounded" if x is None else f"{x:.3f}" for x in r["interval"])
-    left_out = (f" Seeds {r['both_missed']}: both sides missed, left out of the median." if r["both_missed"] else "")
-    return [*table(["fresh seed", "baseline s to target", "recipe s to target", "recipe / baseline"], rows), "",
-            f"Target: {100 * r['target_top1']:g}% top-1 at {r['target_consecutive']} evaluations in a row. Median "
-            f"of the {r['seeds_in_median']} paired ratios: **{ratio_or_none(r['ratio'])}**; bootstrap "
-            f"{100 * r['interval_level']:.0f}% interval {low} to {high}.{left_out} The recipe ran in "
+    def missed(seeds: list[int]) -> str:
+        return ", ".join(map(str, seeds)) or "none"
+
+    targets, headline = r["targets"], r["headline"]
+    rows = [[f"{100 * float(t):g}%{' (headline)' if t in headline else ''}", f"{e['seeds_in_median']} of {len(e['seeds'])}",
+             f"**{ratio_or_none(e['ratio'])}**" if t in headline else ratio_or_none(e["ratio"]),
+             " to ".join(ratio_or_none(x) for x in e["interval"]), " to ".join(ratio_or_none(x) for x in e["range"]),
+             missed(e["missed"]["baseline"]), missed(e["missed"]["recipe"])] for t, e in targets.items()]
+    seeds = targets[headline[0]]["seeds"]
+    per_seed = [[seed, *[cell for t in headline for cell in (
+        seconds(targets[t]["baseline_s"][i], targets[t]["baseline_epochs"][i]),
+        seconds(targets[t]["recipe_s"][i], targets[t]["recipe_epochs"][i]), ratio_or_none(targets[t]["ratios"][i]))]]
+        for i, seed in enumerate(seeds)]
+    acc = r.get("accuracy")
+    accuracy_line = ("Final top-1, mean over the seeds: baseline "
+                     f"{100 * acc['baseline']['mean_final_top1']:.1f}%, recipe {100 * acc['recipe']['mean_final_top1']:.1f}% "
+                     f"(best: {100 * acc['baseline']['mean_best_top1']:.1f}% and {100 * acc['recipe']['mean_best_top1']:.1f}%)."
+                     if acc else "Final top-1 not recorded: these runs stopped at the target.")
+    return [*table(["target", "seeds both reached", "recipe / baseline, median", "bootstrap 90% interval", "range",
+                    "baseline missed", "recipe missed"], rows), "",
+            *table(["fresh seed", *[f"{h} {100 * float(t):g}%" for t in headline
+                                    for h in ("baseline s to", "recipe s to", "ratio at")]], per_seed), "",
+            f"Each target at {r['target_consecutive']} evaluations in a row; the median is over the seeds both sides "
+            f"reached, a miss is listed, never counted as the other side's win. {accuracy_line} The recipe ran in "
             f"{r['recipe_precision']}."]
 
 
@@ -277,23 +287,24 @@ def override_text(item: str) -> str:
     return f"`{item}`"
 
 
-def tta_tuning(runs: list[dict[str, Any]], target: float, consecutive: int) -> list[str]:
-    """Every tuning run, read at the bench's target from its curve (a run may have had a higher stop target)."""
+def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive: int) -> list[str]:
+    """Every tuning run, read at each of `targets` from its curve (runs stopped at a target before runs went to
+    the end show what they reached)."""
     from trainer.tta_stats import reached_at
 
     rows = []
     for run in runs:
-        at = reached_at(run["top1"], target, consecutive)
+        at = [reached_at(run["top1"], target, consecutive) for target in targets]
         rows.append([run["date"][:16].replace("T", " "), f"`{run['commit'][:7]}`", run["side"],
                      "<br>".join(override_text(o) for o in run["overrides"]) or "none", run["seed"],
                      f"{100 * run['top1'][-1]:.1f}% after {run['epochs_run']}",
-                     "missed" if at is None else f"{run['elapsed_s'][at]:.1f} (epoch {at + 1})",
+                     *["missed" if i is None else f"{run['elapsed_s'][i]:.1f} (epoch {i + 1})" for i in at],
                      f"{run['load_before']:.1f} → {run['load_after']:.1f}"])
     counts = "; ".join(f"{side}: {sum(r['side'] == side for r in runs)} runs, "
                        f"{sum(r['side'] == side and r['load_before'] < QUIET_LOAD for r in runs)} of them alone"
                        for side in sorted({r["side"] for r in runs}))
     return [*table(["date (UTC)", "commit", "side", "overrides", "seed", "last top-1",
-                    f"s to {100 * target:g}% x {consecutive}", "load (1 min)"], rows), "",
+                    *[f"s to {100 * t:g}% x {consecutive}" for t in targets], "load (1 min)"], rows), "",
             f"From [`docs/results/tta_tuning.json`](results/tta_tuning.json), appended by `python -m scripts.bench.tta "
             f"--tune SIDE --set KEY=VALUE`: {counts} (started at a 1-minute load below {QUIET_LOAD:g}; a run itself "
             "loads the 2-core box to about 2). The times of runs started under other jobs' load are not comparable; "
@@ -301,8 +312,11 @@ def tta_tuning(runs: list[dict[str, Any]], target: float, consecutive: int) -> l
 
 
 SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
-    "tta": ("time to accuracy, recipe / torchvision-reference baseline (each tuned with as many runs), fresh seeds",
-            lambda r: f"{ratio_or_none(r['ratio'])} (median of {r['seeds_in_median']} seeds)"),
+    "tta": ("time to accuracy, recipe / torchvision-reference baseline (each tuned with as many runs), fresh seeds, "
+            "median paired ratio",
+            lambda r: "; ".join(f"{ratio_or_none(r['targets'][t]['ratio'])} at {100 * float(t):g}% "
+                                f"({r['targets'][t]['seeds_in_median']} of {len(r['targets'][t]['seeds'])} seeds)"
+                                for t in r["headline"])),
     "topk": ("MSTopK speed-up over torch.topk, gradients of a real training step, k = 0.1%, equal threads",
              lambda r: f"{r['arch']}: {times(r['ratio_1thread'])} (1 thread), {times(r['ratio_2threads'])} (2), "
                        f"recall {r['recall_real_gradients']:.4f}"),
@@ -355,14 +369,31 @@ TABLES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "scaling": scaling, "choices": choices, "choices_screen": choices_screen, "quickstart": quickstart}
 
 
+PER_MACHINE = ("tta",)
+"""Benches whose results file is per machine (docs/results/BENCH-<machine>.json): a run elsewhere is a file of
+its own, and each one renders."""
+
+
+def bench_of(path: Path) -> str:
+    """The bench a results file belongs to: its name, less the machine of a per-machine bench's file."""
+    head = path.stem.split("-")[0]
+    return head if head in PER_MACHINE else path.stem
+
+
+def result_files(results_dir: Path, bench: str) -> list[Path]:
+    """The bench's results files: BENCH.json, or every BENCH-<machine>.json of a per-machine bench."""
+    if bench in PER_MACHINE:
+        return sorted(p for p in results_dir.glob(f"{bench}-*.json") if ".quick" not in p.name)
+    return [path] if (path := results_dir / f"{bench}.json").exists() else []
+
+
 def summary(results_dir: Path) -> str:
     rows = []
     for bench, (what, figure) in SUMMARY.items():
-        path = results_dir / f"{bench}.json"
-        if path.exists():
+        for path in result_files(results_dir, bench):
             record = json.loads(path.read_text())
             load = load_span(record)
-            rows.append([what, figure(record["result"]), f"[{bench}](docs/results/{bench}.json)",
+            rows.append([what, figure(record["result"]), f"[{path.stem}](docs/results/{path.name})",
                          f"{record['machine']['cpu']}, {record['machine']['cores']} cores, {record['date'][:10]}",
                          "" if load is None else f"{load[0]:.1f} → {load[1]:.1f}"])
     if not rows:
@@ -378,20 +409,25 @@ def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
         return render_tuning(results_dir)
     if name not in TABLES:
         raise ResultsError(f"results:{name}: no such table (known: summary, tta_tuning, {', '.join(TABLES)})")
-    if not (results_dir / f"{name}.json").exists():
+    paths = result_files(results_dir, name)
+    if not paths:
         return f"_No result file yet: `python -m scripts.bench.{name}` writes `docs/results/{name}.json`._\n"
-    record = load(results_dir, name)
-    return "\n".join([*TABLES[name](record["result"]), "", provenance(name, record)]) + "\n"
+    blocks = []
+    for path in paths:
+        record = json.loads(path.read_text())
+        head = [f"**{machine(record)}**", ""] if name in PER_MACHINE else []
+        blocks.append("\n".join([*head, *TABLES[name](record["result"]), "", provenance(path.stem, record)]))
+    return "\n\n".join(blocks) + "\n"
 
 
 def render_tuning(results_dir: Path) -> str:
-    """The TTA tuning history, read at the target of the bench as it is now."""
-    from scripts.bench.tta import TARGET_CONSECUTIVE, TARGET_TOP1
+    """The TTA tuning history, read at each headline target of the bench as it is now."""
+    from scripts.bench.tta import HEADLINE, TARGET_CONSECUTIVE
 
     path = results_dir / "tta_tuning.json"
     if not path.exists():
         return "_No tuning run yet: `python -m scripts.bench.tta --tune SIDE` writes `docs/results/tta_tuning.json`._\n"
-    return "\n".join(tta_tuning(json.loads(path.read_text()), TARGET_TOP1, TARGET_CONSECUTIVE)) + "\n"
+    return "\n".join(tta_tuning(json.loads(path.read_text()), HEADLINE, TARGET_CONSECUTIVE)) + "\n"
 
 
 def regenerate(text: str, results_dir: Path = RESULTS_DIR) -> tuple[str, list[str]]:

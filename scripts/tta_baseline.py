@@ -9,8 +9,9 @@ validation), a torchvision model wrapped in DistributedDataParallel (dense gradi
 momentum 0.9 and weight decay, and the learning rate set per epoch by linear warm-up then cosine annealing
 (`--lr-scheduler steplr` for the step schedule). The reference's tuning flags that apply on a CPU are here with
 its names and defaults: `--lr`, `--epochs`, `--lr-warmup-epochs` (0), `--lr-warmup-decay`, `--label-smoothing`
-(0), `--norm-weight-decay` (none: batch-norm weights decay like the rest), `--wd` (1e-4). Its `--amp` is CUDA
-autocast, so its users train in fp32 on a CPU, as this script does.
+(0), `--norm-weight-decay` (none: batch-norm weights decay like the rest), `--wd` (1e-4), `--model-ema` (off;
+`--model-ema-steps` 32, `--model-ema-decay` 0.99998; with it every evaluation is of the EMA weights). Its `--amp`
+is CUDA autocast, so its users train in fp32 on a CPU, as this script does.
 
 Memory format: contiguous (NCHW) tensors by default, as the reference, which has no memory-format flag;
 `--channels-last` converts the model and every batch to channels-last (NHWC strides). The frozen choice is the
@@ -50,6 +51,7 @@ import torchvision
 import yaml
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import datasets, transforms
 
@@ -83,6 +85,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-crop-size", type=int, default=64, help="validation: center crop (px)")
     p.add_argument("--min-scale", type=float, default=0.35, help="RandomResizedCrop area lower bound")
     p.add_argument("--hflip-prob", type=float, default=0.5, help="probability of a horizontal flip")
+    p.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=False,
+                   help="evaluate an exponential moving average of the weights (the reference's --model-ema)")
+    p.add_argument("--model-ema-steps", type=int, default=32, help="update the EMA every this many steps")
+    p.add_argument("--model-ema-decay", type=float, default=0.99998,
+                   help="EMA decay, adjusted as the reference does for the batch, world size and epochs")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=False,
                    help="channels-last (NHWC) model and batches; default contiguous NCHW, as the reference")
     p.add_argument("--target-top1", type=float, default=0.0, help="time-to-accuracy target (fraction); 0 = none")
@@ -115,6 +122,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.target_consecutive < 1:
         parser.error(f"--target-consecutive must be >= 1, got {args.target_consecutive}")
+    if args.model_ema_steps < 1 or not 0.0 <= args.model_ema_decay < 1.0:
+        parser.error("--model-ema-steps must be >= 1 and --model-ema-decay in [0, 1)")
     return args
 
 
@@ -187,8 +196,20 @@ def build_scheduler(opt: torch.optim.Optimizer, args: argparse.Namespace) -> tor
 
 # ------------------------------------------------------------------ train and evaluate
 
+def build_ema(model: nn.Module, args: argparse.Namespace, world: int) -> AveragedModel | None:
+    """The reference's --model-ema: an EMA of the weights and buffers (torch's AveragedModel, as the reference's
+    ExponentialMovingAverage), updated every --model-ema-steps steps, its decay adjusted for the world size,
+    batch and epochs as the reference's train.py does, and reset to the weights during the lr warm-up."""
+    if not args.model_ema:
+        return None
+    adjust = world * args.batch_size * args.model_ema_steps / args.epochs
+    alpha = min(1.0, (1.0 - args.model_ema_decay) * adjust)
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(1.0 - alpha), use_buffers=True)
+
+
 def train_one_epoch(model: nn.Module, criterion: nn.Module, opt: torch.optim.Optimizer, loader: DataLoader,
-                    memory_format: torch.memory_format) -> float:
+                    memory_format: torch.memory_format, ema: AveragedModel | None = None, ema_steps: int = 1,
+                    warming_up: bool = False) -> float:
     model.train()
     loss_sum, steps = torch.zeros(()), 0
     for images, labels in loader:
@@ -197,6 +218,10 @@ def train_one_epoch(model: nn.Module, criterion: nn.Module, opt: torch.optim.Opt
         loss.backward()  # DDP allreduces every gradient bucket here
         opt.step()
         loss_sum += loss.detach()
+        if ema is not None and steps % ema_steps == 0:  # the reference's `i % args.model_ema_steps == 0`
+            ema.update_parameters(model)
+            if warming_up:  # the reference resets the EMA to the weights during the lr warm-up
+                ema.n_averaged.fill_(0)
         steps += 1
     return float(loss_sum) / max(1, steps)
 
@@ -229,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     opt = torch.optim.SGD(param_groups(model, args), lr=args.lr, momentum=args.momentum, weight_decay=args.wd)
     scheduler = build_scheduler(opt, args)
+    ema = build_ema(model.module if world > 1 else model, args, world)
     out = args.output_dir
     log = None
     if rank == 0:
@@ -242,10 +268,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for epoch in range(args.epochs):
         train_loader.sampler.set_epoch(epoch)
         lr = opt.param_groups[0]["lr"]
-        loss = train_one_epoch(model, criterion, opt, train_loader, memory_format)
+        loss = train_one_epoch(model, criterion, opt, train_loader, memory_format, ema, args.model_ema_steps,
+                               epoch < args.lr_warmup_epochs)
         scheduler.step()
         record = {"epoch": epoch, "loss/train_epoch": loss, "schedule/lr": lr,
-                  **evaluate(model, val_loader, memory_format)}
+                  **evaluate(model if ema is None else ema, val_loader, memory_format)}
         record["time/elapsed_s"] = time.perf_counter() - clock
         history.append({k: record[k] for k in ("epoch", "eval/top1", "eval/top5", "time/elapsed_s")})
         if log is not None:

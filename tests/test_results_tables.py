@@ -25,7 +25,8 @@ def test_every_result_file_is_shown() -> None:
     for path in RESULTS_DIR.glob("*.json"):
         record = json.loads(path.read_text())
         if ".quick" not in path.name and isinstance(record, dict) and "result" in record:  # a bench's result
-            assert f"<!-- results:{path.stem} -->" in text or path.stem in results_tables.SUMMARY, \
+            bench = results_tables.bench_of(path)
+            assert f"<!-- results:{bench} -->" in text or bench in results_tables.SUMMARY, \
                 f"{path.name} has no table in README.md or docs/"
 
 
@@ -97,12 +98,25 @@ def test_unknown_table_and_missing_file_are_named(tmp_path: Path) -> None:
 
 def test_every_table_renders_from_the_committed_files() -> None:
     for path in RESULTS_DIR.glob("*.json"):
-        if ".quick" not in path.name and path.stem in results_tables.TABLES:
-            assert f"docs/results/{path.stem}.json" in render(path.stem)
+        bench = results_tables.bench_of(path)
+        if ".quick" not in path.name and bench in results_tables.TABLES:
+            assert f"docs/results/{path.name}" in render(bench)
+
+
+def test_a_per_machine_bench_renders_each_machines_file(tmp_path: Path) -> None:
+    record = json.loads(next(RESULTS_DIR.glob("tta-*.json")).read_text())
+    for name, cpu in (("tta-one", "CPU One"), ("tta-two", "CPU Two")):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**record, "machine": {**record["machine"], "cpu": cpu}}))
+    text = render("tta", tmp_path)
+    assert text.index("**CPU One") < text.index("docs/results/tta-one.json") < text.index("**CPU Two")
+    assert "docs/results/tta-two.json" in text
+    rows = [line for line in render("summary", tmp_path).splitlines() if "time to accuracy" in line]
+    assert len(rows) == 2 and "CPU One" in rows[0] and "CPU Two" in rows[1]
 
 
 def test_tuning_runs_are_read_at_the_bench_target_from_their_curves(tmp_path: Path) -> None:
-    from scripts.bench.tta import TARGET_CONSECUTIVE, TARGET_TOP1
+    from scripts.bench.tta import HEADLINE, TARGET_CONSECUTIVE
+    TARGET_TOP1 = HEADLINE[0]
 
     def run(side: str, top1: list[float], overrides: list[str]) -> dict:
         return {"date": "2026-12-02T07:00:00Z", "commit": "0123456789ab", "side": side, "overrides": overrides,
@@ -127,7 +141,7 @@ def test_tuning_runs_are_read_at_the_bench_target_from_their_curves(tmp_path: Pa
 
 
 def test_a_result_made_of_training_runs_shows_the_runs_load_not_the_report_s() -> None:
-    record = json.loads((RESULTS_DIR / "tta.json").read_text())
+    record = json.loads(next(RESULTS_DIR.glob("tta-*.json")).read_text())
     record["load_avg_1min"] = {"start": 0.1, "end": 0.1}  # a later --from-runs report on an idle box
     record["result"]["runs"] = [{**r, "load_before": b, "load_after": a}
                                 for r, (b, a) in zip(record["result"]["runs"], [(1.5, 2.0), (2.5, 3.5)] * 6)]

@@ -23,8 +23,8 @@ from scripts.bench import tta  # the bench's command line (main) and its runner
 from tests.conftest import ROOT, run_ranks
 from trainer import tta_plot
 from trainer.tta_plot import plot
-from trainer.tta_stats import (Run, bootstrap_interval, compare, first_reach, paired_ratio, reached_at, read_curve,
-                               read_run, seed_order)
+from trainer.tta_stats import (Run, accuracy, bootstrap_interval, compare, first_reach, paired_ratio, reached_at,
+                               read_curve, read_run, seed_order)
 
 pytestmark = pytest.mark.unit
 
@@ -46,10 +46,9 @@ def test_target_needs_consecutive_evaluations():
     assert tta_baseline.reached_at is reached_at  # the baseline's own stop uses the same rule
 
 
-def test_paired_ratio_counts_a_miss_as_infinitely_slow():
+def test_paired_ratio_needs_both_sides_to_reach_the_target():
     assert paired_ratio(30.0, 60.0) == 0.5
-    assert paired_ratio(None, 60.0) == math.inf and paired_ratio(30.0, None) == 0.0
-    assert math.isnan(paired_ratio(None, None))
+    assert paired_ratio(None, 60.0) is None and paired_ratio(30.0, None) is None and paired_ratio(None, None) is None
 
 
 def test_bootstrap_interval_is_exact_on_small_samples():
@@ -65,45 +64,70 @@ def test_bootstrap_interval_is_exact_on_small_samples():
         bootstrap_interval([0.5, math.nan])
 
 
-def run(side: str, seed: int, tta_s: float | None) -> Run:
-    return Run(side=side, seed=seed, time_to_target_s=tta_s, epochs_to_target=None if tta_s is None else 4,
-               best_top1=0.95, epochs_run=6, process_s=(tta_s or 100.0) + 10, load_before=1.0, load_after=2.0,
-               run_dir=f"/runs/{side}{seed}")
+def run(side: str, seed: int, tta_s: float | None, final: float = 0.95) -> Run:
+    """A run whose curve reaches 0.9 twice in a row at `tta_s` seconds (never when None), ending at `final`."""
+    t = tta_s or 100.0
+    top1 = [0.5, 0.95, final] if tta_s is not None else [0.5, 0.6, min(final, 0.6)]
+    return Run(side=side, seed=seed, process_s=t + 10, load_before=1.0, load_after=2.0, run_dir=f"/runs/{side}{seed}",
+               top1=top1, elapsed_s=[t / 2, t * 0.75, t])
+
+
+def test_one_run_gives_its_time_to_every_target():
+    r = Run(side="recipe", seed=100, process_s=60.0, load_before=0.0, load_after=0.0, run_dir="/r",
+            top1=[0.55, 0.62, 0.58, 0.66, 0.71, 0.74, 0.72], elapsed_s=[10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0])
+    assert r.time_to(0.6, 2) == 50.0  # 0.62 then 0.58: not yet; 0.66, 0.71 in a row
+    assert r.time_to(0.6, 1) == 20.0 and r.time_to(0.7, 2) == 60.0 and r.time_to(0.75, 2) is None
+    assert r.epochs_to(0.7, 2) == 6 and r.epochs_to(0.75, 1) is None
+    assert r.final_top1 == 0.72 and r.best_top1 == 0.74
 
 
 def test_compare_pairs_runs_by_seed_not_by_rank():
     # Medians of the sides would give 50 / 120 = 0.417; the paired ratios are 0.4, 0.5, 0.15 -> 0.4.
     runs = [run("baseline", 100, 100.0), run("recipe", 100, 40.0), run("recipe", 101, 60.0),
             run("baseline", 101, 120.0), run("baseline", 102, 300.0), run("recipe", 102, 45.0)]
-    result = compare(runs)
+    result = compare(runs, 0.9, 2)
     assert result["seeds"] == [100, 101, 102] and result["ratios"] == [0.4, 0.5, 0.15]
-    assert result["ratio"] == 0.4 and result["missed"] == []
+    assert result["ratio"] == 0.4 and result["missed"] == {"baseline": [], "recipe": []}
+    assert result["range"] == [0.15, 0.5]
     low, high = result["interval"]
     assert low <= 0.4 <= high and low >= 0.15 and high <= 0.5
 
 
-def test_compare_takes_the_median_of_an_even_number_of_seeds_and_leaves_out_seeds_both_missed():
+def test_compare_takes_the_median_of_an_even_number_of_seeds_over_the_seeds_both_reached():
     times = {100: (100.0, 30.0), 101: (100.0, 50.0), 102: (100.0, 70.0), 103: (100.0, 90.0), 104: (100.0, 10.0),
              105: (100.0, 40.0)}
     runs = [run(side, seed, t) for seed, (b, r) in times.items() for side, t in (("baseline", b), ("recipe", r))]
     runs += [run("baseline", 106, None), run("recipe", 106, None)]
-    result = compare(runs)
+    result = compare(runs, 0.9, 2)
     # ratios 0.1 0.3 0.4 0.5 0.7 0.9: the mean of the middle two, not either of them
-    assert result["ratio"] == 0.45 and result["seeds_in_median"] == 6 and result["both_missed"] == [106]
-    assert result["ratios"][-1] is None
+    assert result["ratio"] == 0.45 and result["seeds_in_median"] == 6
+    assert result["ratios"][-1] is None and result["missed"] == {"baseline": [106], "recipe": [106]}
 
 
-def test_compare_with_a_missed_seed():
-    runs = [run("baseline", 100, 100.0), run("recipe", 100, None), run("baseline", 101, 100.0),
-            run("recipe", 101, 30.0), run("baseline", 102, 100.0), run("recipe", 102, 40.0)]
-    result = compare(runs)
-    assert result["ratios"] == [None, 0.3, 0.4] and result["ratio"] == 0.4  # the miss sorts last, not dropped
-    assert result["missed"] == ["recipe seed 100"] and result["interval"][1] is None  # unbounded above
+def test_a_seed_the_baseline_misses_is_its_miss_not_the_recipes_win():
+    runs = [run("baseline", 100, None), run("recipe", 100, 10.0), run("baseline", 101, 100.0),
+            run("recipe", 101, 80.0), run("baseline", 102, 100.0), run("recipe", 102, 90.0)]
+    result = compare(runs, 0.9, 2)
+    assert result["ratios"] == [None, 0.8, 0.9] and result["ratio"] == 0.85  # not the median of (0, 0.8, 0.9)
+    assert result["missed"] == {"baseline": [100], "recipe": []} and result["seeds_in_median"] == 2
+    runs[1] = run("recipe", 100, None)  # and the other way round: a recipe miss is not left unreported
+    result = compare(runs, 0.9, 2)
+    assert result["missed"] == {"baseline": [100], "recipe": [100]} and result["ratio"] == 0.85
+    nobody = compare([run("baseline", 100, None), run("recipe", 100, 50.0)], 0.9, 2)
+    assert nobody["ratio"] is None and nobody["interval"] == [None, None] and nobody["range"] == [None, None]
+
+
+def test_accuracy_gives_each_sides_final_and_best_top1():
+    runs = [run("baseline", 100, 100.0, final=0.8), run("recipe", 100, 40.0, final=0.9),
+            run("baseline", 101, 100.0, final=0.7), run("recipe", 101, 40.0, final=0.92)]
+    acc = accuracy(runs)
+    assert acc["baseline"]["final_top1"] == [0.8, 0.7] and acc["baseline"]["mean_final_top1"] == 0.75
+    assert acc["recipe"]["best_top1"] == [0.95, 0.95] and acc["recipe"]["mean_final_top1"] == 0.91
 
 
 def test_compare_needs_both_sides_of_every_seed():
     with pytest.raises(ValueError, match=r"incomplete: \[101\]"):
-        compare([run("baseline", 100, 1.0), run("recipe", 100, 1.0), run("baseline", 101, 1.0)])
+        compare([run("baseline", 100, 1.0), run("recipe", 100, 1.0), run("baseline", 101, 1.0)], 0.9, 2)
 
 
 def test_sides_alternate_from_seed_to_seed():
@@ -176,14 +200,15 @@ def _baseline_runs(rank: int, world: int, runs: list[list[str]]) -> None:
 @pytest.fixture(scope="module")
 def baseline_runs(tmp_path_factory: pytest.TempPathFactory, photos: Path) -> dict[str, Path]:
     """The baseline on 2 gloo ranks with the frozen config at 16 px: one that meets an easy target twice in a row
-    and stops, one that misses 100%."""
+    and stops, one that misses 100% (evaluating the EMA of its weights)."""
     root = tmp_path_factory.mktemp("tta_baseline")
     common = ["--config", tta.BASELINE_CONFIG, f"--data-path={photos}", "--workers=0", "--batch-size=2",
               "--train-crop-size=16", "--val-resize-size=18", "--val-crop-size=16", "--norm-weight-decay=0",
               "--label-smoothing=0.1"]
     stopped = [*common, f"--output-dir={root / 'stopped'}", "--epochs=4", "--target-top1=1e-9",
                "--target-consecutive=2"]
-    missed = [*common, f"--output-dir={root / 'missed'}", "--epochs=2", "--target-top1=1.0"]
+    missed = [*common, f"--output-dir={root / 'missed'}", "--epochs=2", "--target-top1=1.0", "--model-ema",
+              "--model-ema-steps=1"]
     (root / "group").mkdir()
     run_ranks(_baseline_runs, 2, root / "group", [stopped, missed], timeout=600.0)
     return {"stopped": root / "stopped", "missed": root / "missed"}
@@ -203,10 +228,31 @@ def test_baseline_stops_at_the_second_evaluation_at_the_target(baseline_runs):
 
 @pytest.mark.e2e
 def test_bench_reads_baseline_run_folders(baseline_runs):
-    got = read_run("baseline", 0, baseline_runs["stopped"], 1e-9, 2, 5.0, 1.0, 1.0)
-    assert got.reached and got.epochs_to_target == 2 and got.epochs_run == 2
-    missed = read_run("baseline", 1, baseline_runs["missed"], 1.0, 2, 5.0, 1.0, 1.0)
-    assert not missed.reached and missed.epochs_run == 2 and missed.time_to_target_s is None
+    got = read_run("baseline", 0, baseline_runs["stopped"], 5.0, 1.0, 1.0)
+    assert got.epochs_to(1e-9, 2) == 2 and len(got.top1) == 2
+    missed = read_run("baseline", 1, baseline_runs["missed"], 5.0, 1.0, 1.0)
+    assert len(missed.top1) == 2 and missed.time_to(1.0, 2) is None
+
+
+def test_the_baselines_ema_is_the_references_average():
+    """--model-ema: decay 1 - (1 - d) x world x batch x steps / epochs (the reference's adjustment), the first
+    update copying the weights, and the warm-up resetting it to them."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 1), torch.nn.BatchNorm1d(1))
+    args = tta_baseline.parse_args(["--model-ema", "--model-ema-decay=0.999", "--model-ema-steps=2", "--epochs=8",
+                                    "--batch-size=4"])
+    ema = tta_baseline.build_ema(model, args, world=2)
+    decay = 1 - (1 - 0.999) * 2 * 4 * 2 / 8
+    first = [p.detach().clone() for p in model.parameters()]
+    ema.update_parameters(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.update_parameters(model)
+    for got, w0, w1 in zip(ema.module.parameters(), first, model.parameters()):
+        assert torch.allclose(got, decay * w0 + (1 - decay) * w1)
+    assert torch.equal(ema.module[1].running_mean, model[1].running_mean)  # buffers follow (use_buffers)
+    with pytest.raises(SystemExit):
+        tta_baseline.parse_args(["--model-ema-decay=1.0"])
 
 
 def test_norm_weight_decay_splits_batchnorm_parameters():
@@ -335,11 +381,15 @@ for epoch, top1 in enumerate([0.5, 0.95, 0.8, 0.95, 0.96] + [0.97] * 10000):
 
 
 @pytest.mark.e2e
-def test_launch_ends_a_run_once_it_reached_the_target(tmp_path):
+def test_launch_runs_to_the_end_and_an_interrupted_one_leaves_nothing_running(tmp_path):
+    finished = tmp_path / "finished"
+    script = FAKE_TRAINER.replace("[0.97] * 10000", "[0.97] * 2").replace("time.sleep(600)", "time.sleep(0)")
+    tta.launch([sys.executable, "-c", script, str(finished)], finished)
+    got = read_run("recipe", 0, finished, 1.0, 1.0, 1.0)
+    assert len(got.top1) == 7 and got.time_to(0.9, 2) == 5.0 and got.time_to(0.965, 2) == 7.0  # to the end
     run_dir = tmp_path / "run"
-    tta.launch([sys.executable, "-c", FAKE_TRAINER, str(run_dir)], run_dir, 0.9, 2)  # would write records for ~30 min
-    got = read_run("recipe", 0, run_dir, 0.9, 2, 1.0, 1.0, 1.0)
-    assert got.epochs_to_target == 5 and got.time_to_target_s == 5.0 and got.epochs_run < 100
+    with pytest.raises(subprocess.TimeoutExpired):  # would write records for ~30 min
+        tta.launch([sys.executable, "-c", FAKE_TRAINER, str(run_dir)], run_dir, timeout_s=3.0)
     worker = int((run_dir / "worker.pid").read_text())
     for _ in range(100):  # SIGKILLed; gone once its parent (now init) has reaped it
         if not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]:
@@ -353,18 +403,18 @@ def test_launch_ends_a_run_once_it_reached_the_target(tmp_path):
 def test_a_failed_launch_shows_the_command_status_and_log_tail(tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('rank 0: out of memory'); sys.exit(3)"]
     with pytest.raises(RuntimeError, match=r"(?s)exited with status 3; last lines of .*train.log:\nrank 0: out of mem"):
-        tta.launch(cmd, tmp_path / "run", 0.9, 2)
+        tta.launch(cmd, tmp_path / "run")
     with pytest.raises(FileNotFoundError, match="no evaluated epoch; the recipe run failed"):
-        read_run("recipe", 0, tmp_path / "run", 0.9, 2, 1.0, 1.0, 1.0)
+        read_run("recipe", 0, tmp_path / "run", 1.0, 1.0, 1.0)
 
 
 def test_tuning_history_is_data(tmp_path):
     path = tmp_path / "tuning.json"
-    tta.append_tuning([run("baseline", 0, 50.0)], "baseline", ["lr=0.1"], 0.9, 2, "fp32", path)
-    tta.append_tuning([run("recipe", 1, None)], "recipe", ["optim.lr=0.1"], 0.9, 2, "bf16", path)
+    tta.append_tuning([run("baseline", 0, 50.0)], "baseline", ["lr=0.1"], [0.6, 0.9], 2, "fp32", path)
+    tta.append_tuning([run("recipe", 1, None)], "recipe", ["optim.lr=0.1"], [0.6, 0.9], 2, "bf16", path)
     history = json.loads(path.read_text())
-    assert [(h["seed"], h["time_to_target_s"], h["overrides"]) for h in history] == [(0, 50.0, ["lr=0.1"]),
-                                                                                    (1, None, ["optim.lr=0.1"])]
+    assert [(h["seed"], h["time_to_s"], h["overrides"]) for h in history] == [
+        (0, {"0.6": 50.0, "0.9": 50.0}, ["lr=0.1"]), (1, {"0.6": 100.0, "0.9": None}, ["optim.lr=0.1"])]
     # the config file the overrides applied to, as it was, and the precision each side trained in
     assert history[0]["config"]["file"] == tta.BASELINE_CONFIG and history[0]["precision"] == "fp32"
     assert history[1]["config"] == tta.configs()["recipe_config"] and history[1]["precision"] == "bf16"
@@ -421,9 +471,13 @@ def test_result_line_carries_both_configs(tmp_path, monkeypatch, capsys):
         (Path(r.run_dir) / "metrics.jsonl").write_text(json.dumps(
             {"kind": "epoch", "epoch": 0, "eval/top1": 0.95, "time/elapsed_s": seconds}) + "\n")
         runs.append(r)
-    line = tta.finish(runs, tmp_path, 0.9, 2, "fp32", 1)
+    line = tta.finish(runs, tmp_path, [0.9], 2, "fp32", 1)
     capsys.readouterr()
     assert json.loads(json.dumps(line)) == line  # as printed and written: plain JSON
+    # the asked target and the headline ones, read from the same runs; the verdict is the first headline's
+    assert set(line["targets"]) == {"0.9", *(f"{t:g}" for t in tta.HEADLINE)}
+    assert line["targets"]["0.9"]["ratio"] == 0.4 and line["ratio"] == line["targets"][f"{tta.HEADLINE[0]:g}"]["ratio"]
+    assert line["accuracy"]["recipe"]["final_top1"] == [0.95] and line["bench"].startswith("tta-")
     baseline, recipe = dict(line["baseline_config"]), dict(line["recipe_config"])
     assert baseline.pop("file") == tta.BASELINE_CONFIG and recipe.pop("file") == tta.RECIPE_CONFIG
     assert baseline.keys() == yaml.safe_load((ROOT / tta.BASELINE_CONFIG).read_text()).keys()
@@ -444,14 +498,13 @@ def test_result_of_finished_runs_keeps_complete_seeds_only(tmp_path):
               run("baseline", 0, 50.0), run("recipe", 0, 10.0)):
         (tmp_path / f"{r.side}_seed{r.seed}").mkdir()
         r.run_dir = str(tmp_path / f"{r.side}_seed{r.seed}")
-        (Path(r.run_dir) / "run.json").write_text(json.dumps({**asdict(r), "target_top1": 0.9,
-                                                              "target_consecutive": 2}))
-    runs, target, consecutive = tta.load_runs(tmp_path)
+        (Path(r.run_dir) / "run.json").write_text(json.dumps({**asdict(r), "target_consecutive": 2}))
+    runs, consecutive = tta.load_runs(tmp_path)
     assert sorted((r.side, r.seed) for r in runs) == [("baseline", 100), ("recipe", 100)]
-    assert (target, consecutive) == (0.9, 2) and compare(runs)["ratios"] == [0.4]
+    assert consecutive == 2 and compare(runs, 0.9, consecutive)["ratios"] == [0.4]
     doc = json.loads((tmp_path / "recipe_seed101" / "run.json").read_text())
-    (tmp_path / "recipe_seed101" / "run.json").write_text(json.dumps({**doc, "target_top1": 0.8}))
-    with pytest.raises(ValueError, match="runs with different targets"):
+    (tmp_path / "recipe_seed101" / "run.json").write_text(json.dumps({**doc, "target_consecutive": 1}))
+    with pytest.raises(ValueError, match="runs read with different rules"):
         tta.load_runs(tmp_path)
 
 

@@ -1,12 +1,14 @@
-"""Time-to-accuracy statistics: when a run reached its target, and how two contenders compare over seeds.
+"""Time-to-accuracy statistics: when a run reached a target, and how two contenders compare over seeds.
 
 - `reached_at`: the evaluation that completes the first `consecutive` evaluations in a row at or above the
   target (one lucky epoch cannot cross it); `first_reach`: the time of a curve's first evaluation at a target.
 - `read_curve` / `epoch_records`: a run folder's evaluated epochs from its metrics.jsonl (the recipe's trainer
-  and scripts/tta_baseline.py write the same records); `read_run`: one run as a `Run`.
-- `seed_order`, `paired_ratio`, `compare`, `bootstrap_interval`: both sides on the same seeds, alternating which
-  goes first; per seed the ratio recipe time / baseline time (a side that missed counts as infinitely slow);
-  their median and a percentile-bootstrap interval of it.
+  and scripts/tta_baseline.py write the same records); `read_run`: one whole run as a `Run`, from which the time
+  to any target is read.
+- `seed_order`, `paired_ratio`, `compare`, `accuracy`: both sides on the same seeds, alternating which goes first;
+  per target and seed the ratio recipe time / baseline time where both reached it (a side that missed is listed
+  as a miss, never as the other side's win); their median, a percentile-bootstrap interval of it and the range;
+  each side's final and best top-1.
 scripts/bench/tta.py runs the comparison; scripts/plot_tta.py draws the curves.
 """
 
@@ -44,12 +46,9 @@ def first_reach(seconds: list[float], acc: list[float], target: float | None) ->
     return None if at is None else seconds[at]
 
 
-def paired_ratio(recipe_s: float | None, baseline_s: float | None) -> float:
-    """recipe / baseline time to target in one seed; a side that missed counts as infinitely slow (both: nan)."""
-    recipe, baseline = (math.inf if t is None else t for t in (recipe_s, baseline_s))
-    if math.isinf(recipe) and math.isinf(baseline):
-        return math.nan
-    return 0.0 if math.isinf(baseline) else recipe / baseline
+def paired_ratio(recipe_s: float | None, baseline_s: float | None) -> float | None:
+    """recipe / baseline time to a target in one seed; None unless both sides reached it."""
+    return None if recipe_s is None or baseline_s is None else recipe_s / baseline_s
 
 
 def bootstrap_interval(values: Sequence[float], level: float = 0.9, resamples: int = 10_000,
@@ -64,11 +63,6 @@ def bootstrap_interval(values: Sequence[float], level: float = 0.9, resamples: i
     low = medians[int(math.floor((1 - level) / 2 * resamples))]
     high = medians[min(resamples - 1, int(math.ceil((1 + level) / 2 * resamples)) - 1)]
     return float(low), float(high)
-
-
-def finite_or_none(x: float) -> float | None:
-    """x rounded to 3 digits; None for an infinite or undefined value (plain JSON has neither)."""
-    return None if math.isinf(x) or math.isnan(x) else round(x, 3)
 
 
 # ---------------------------------------------------------------- run folders
@@ -102,47 +96,53 @@ def read_curve(run_dir: Path, metric: str) -> tuple[list[float], list[float]]:
 
 @dataclass
 class Run:
-    """One training run as the bench saw it: its epoch records, the target rule, the process's wall time."""
+    """One training run as the bench saw it, to the end of its schedule: its evaluations (top-1 and the seconds
+    at each, start-up included), the process's wall time and the load around it."""
 
     side: str
     seed: int
-    time_to_target_s: float | None
-    epochs_to_target: int | None
-    best_top1: float
-    epochs_run: int
     process_s: float
     load_before: float
     load_after: float
     run_dir: str
-    top1: list[float] = field(default_factory=list)
-    elapsed_s: list[float] = field(default_factory=list)
+    top1: list[float]
+    elapsed_s: list[float]
     choices: dict[str, Any] = field(default_factory=dict)
     """The recipe's measured choices (precision, layout, convolutions) and how they were reached (env.json)."""
     choices_s: float = 0.0
     """Seconds the recipe spent deciding them before its clock started (measuring, or reading the cache):
-    counted in `time_to_target_s`."""
+    counted in `elapsed_s`."""
 
     @property
-    def reached(self) -> bool:
-        return self.time_to_target_s is not None
+    def final_top1(self) -> float:
+        return self.top1[-1]
+
+    @property
+    def best_top1(self) -> float:
+        return max(self.top1)
+
+    def time_to(self, target: float, consecutive: int) -> float | None:
+        """Seconds at the evaluation that completes `consecutive` in a row at or above `target`; None: missed."""
+        at = reached_at(self.top1, target, consecutive)
+        return None if at is None else round(self.elapsed_s[at], 1)
+
+    def epochs_to(self, target: float, consecutive: int) -> int | None:
+        at = reached_at(self.top1, target, consecutive)
+        return None if at is None else at + 1
 
 
-def read_run(side: str, seed: int, run_dir: Path, target: float, consecutive: int, process_s: float,
-             load_before: float, load_after: float) -> Run:
-    """A Run from `run_dir/metrics.jsonl`, the time to target by `reached_at`."""
+def read_run(side: str, seed: int, run_dir: Path, process_s: float, load_before: float, load_after: float) -> Run:
+    """A Run from `run_dir/metrics.jsonl`; the recipe's start-up seconds (env.json) are added to its clock."""
     records = epoch_records(run_dir)
     if not records:
         raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'}: no evaluated epoch; the {side} run failed "
                                 f"(its log is {run_dir / 'train.log'})")
-    top1 = [float(r["eval/top1"]) for r in records]
     choices = (read_run_record(run_dir) or {}).get("choices") or {}
     startup = float(choices.get("seconds", 0.0))  # before the trainer's clock: the bench counts it
-    elapsed = [startup + float(r["time/elapsed_s"]) for r in records]
-    at = reached_at(top1, target, consecutive)
-    return Run(side=side, seed=seed, time_to_target_s=None if at is None else round(elapsed[at], 1),
-               epochs_to_target=None if at is None else at + 1, best_top1=max(top1), epochs_run=len(records),
-               process_s=round(process_s, 1), load_before=load_before, load_after=load_after, run_dir=str(run_dir),
-               top1=top1, elapsed_s=elapsed, choices=choices, choices_s=startup)
+    return Run(side=side, seed=seed, process_s=round(process_s, 1), load_before=load_before, load_after=load_after,
+               run_dir=str(run_dir), top1=[float(r["eval/top1"]) for r in records],
+               elapsed_s=[round(startup + float(r["time/elapsed_s"]), 3) for r in records], choices=choices,
+               choices_s=startup)
 
 
 # ---------------------------------------------------------------- the comparison
@@ -155,26 +155,44 @@ def seed_order(first_seed: int, seeds: int) -> list[tuple[int, str]]:
             for side in (SIDES if i % 2 == 0 else SIDES[::-1])]
 
 
-def compare(runs: Sequence[Run]) -> dict[str, Any]:
-    """Per seed the paired ratio; their median and bootstrap 90% interval."""
-    by_seed: dict[int, dict[str, Run]] = {}
+def by_seed(runs: Sequence[Run]) -> dict[int, dict[str, Run]]:
+    """{seed: {side: run}}; ValueError unless every seed has one run of each side."""
+    out: dict[int, dict[str, Run]] = {}
     for r in runs:
-        by_seed.setdefault(r.seed, {})[r.side] = r
-    seeds = sorted(by_seed)
-    incomplete = [s for s in seeds if set(by_seed[s]) != set(SIDES)]
-    if not seeds or incomplete:
+        out.setdefault(r.seed, {})[r.side] = r
+    incomplete = [s for s in sorted(out) if set(out[s]) != set(SIDES)]
+    if not out or incomplete:
         raise ValueError(f"compare: every seed needs one run of each side (incomplete: {incomplete or 'no runs'})")
-    ratios = [paired_ratio(by_seed[s]["recipe"].time_to_target_s, by_seed[s]["baseline"].time_to_target_s)
-              for s in seeds]
-    usable = [x for x in ratios if not math.isnan(x)]
-    median = float(np.median(usable)) if usable else math.nan
-    interval = bootstrap_interval(usable) if usable else (math.nan, math.nan)
-    return {"seeds": seeds, "ratios": [finite_or_none(x) for x in ratios], "seeds_in_median": len(usable),
-            "both_missed": [s for s, x in zip(seeds, ratios) if math.isnan(x)],
-            "baseline_s": [by_seed[s]["baseline"].time_to_target_s for s in seeds],
-            "recipe_s": [by_seed[s]["recipe"].time_to_target_s for s in seeds],
-            "baseline_epochs": [by_seed[s]["baseline"].epochs_to_target for s in seeds],
-            "recipe_epochs": [by_seed[s]["recipe"].epochs_to_target for s in seeds],
-            "missed": [f"{side} seed {s}" for s in seeds for side in SIDES if not by_seed[s][side].reached],
-            "interval": [finite_or_none(x) for x in interval], "interval_level": 0.9,
-            "ratio": finite_or_none(median)}
+    return dict(sorted(out.items()))
+
+
+def compare(runs: Sequence[Run], target: float, consecutive: int) -> dict[str, Any]:
+    """At one target: per seed each side's time (None: missed) and the paired ratio where both reached it; the
+    median of those ratios, a bootstrap 90% interval of it and their range (the order-statistic interval); the
+    misses per side. No seed both reached: ratio None."""
+    seeds = by_seed(runs)
+    times = {side: [seeds[s][side].time_to(target, consecutive) for s in seeds] for side in SIDES}
+    ratios = [paired_ratio(r, b) for r, b in zip(times["recipe"], times["baseline"])]
+    both = [x for x in ratios if x is not None]
+    interval = bootstrap_interval(both) if both else (None, None)
+    return {"target_top1": target, "seeds": list(seeds),
+            "baseline_s": times["baseline"], "recipe_s": times["recipe"],
+            "baseline_epochs": [seeds[s]["baseline"].epochs_to(target, consecutive) for s in seeds],
+            "recipe_epochs": [seeds[s]["recipe"].epochs_to(target, consecutive) for s in seeds],
+            "ratios": [None if x is None else round(x, 3) for x in ratios], "seeds_in_median": len(both),
+            "missed": {side: [s for s, t in zip(seeds, times[side]) if t is None] for side in SIDES},
+            "ratio": round(float(np.median(both)), 3) if both else None,
+            "interval": [None if x is None else round(x, 3) for x in interval], "interval_level": 0.9,
+            "range": [round(min(both), 3), round(max(both), 3)] if both else [None, None]}
+
+
+def accuracy(runs: Sequence[Run]) -> dict[str, Any]:
+    """Per side: every seed's final and best top-1 (fractions), and the means over seeds."""
+    seeds = by_seed(runs)
+    out: dict[str, Any] = {"seeds": list(seeds)}
+    for side in SIDES:
+        final = [round(seeds[s][side].final_top1, 4) for s in seeds]
+        best = [round(seeds[s][side].best_top1, 4) for s in seeds]
+        out[side] = {"final_top1": final, "best_top1": best, "mean_final_top1": round(float(np.mean(final)), 4),
+                     "mean_best_top1": round(float(np.mean(best)), 4)}
+    return out

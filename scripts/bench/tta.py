@@ -11,9 +11,10 @@ resolution (shorter side 55 px, the identity resize, then a 48 px center crop). 
 processes (torchrun, gloo, 1 CPU thread each), global batch 64, one input worker per rank, the same
 augmentation (random-resized crop, area 0.35-1, flips).
 
-The target: TARGET_TOP1 top-1 on the validation split at TARGET_CONSECUTIVE evaluations in a row, the clock read at
-the last of them, so one lucky epoch cannot cross it. Once a run has reached it the bench ends the run (the
-baseline stops itself; the recipe's trainer is stopped by the bench, after its epoch record is written).
+The targets: each of TARGETS top-1 on the validation split at TARGET_CONSECUTIVE evaluations in a row, the clock
+read at the last of them, so one lucky epoch cannot cross it. Every run goes to the end of its schedule, so the
+times to every target, and each side's final and best top-1, come from the same runs; HEADLINE are the targets
+the verdict is about.
 
 The sides, each a frozen config tuned on tuning seeds with the same number of runs (docs/results/tta_tuning.json
 holds every tuning run as data, with the flags each one changed):
@@ -28,10 +29,11 @@ holds every tuning run as data, with the flags each one changed):
 
 Evaluation (the statistics are trainer/tta_stats.py's): fresh seeds (FRESH_SEEDS_FROM on; the tuning seeds are
 below it), the sides alternating which goes first from seed to seed so that drift in the machine's load falls on
-both; per seed the paired ratio recipe time / baseline time; reported: the median of the paired ratios and a
-bootstrap 90% interval of that median (resampled seeds). A side that misses the target in a seed counts as
-infinitely slow there. The 1-minute load average is recorded before and after every run. `--quick`: 2 fresh
-seeds; the full run: 6.
+both; per target and seed the paired ratio recipe time / baseline time where both sides reached it; reported per
+target: the median of those ratios, a bootstrap 90% interval of it and their range (min to max), and the misses
+of each side (a target one side misses is its miss, never the other side's win). The 1-minute load average is
+recorded before and after every run. `--quick`: 2 fresh seeds; the full run: 6. The result file is per machine
+(docs/results/tta-<machine>.json).
 
 Timing, alike for both sides: each script's clock starts before its first epoch, once the process group, the
 model and the dataset listing exist; data loading and decoding, input-pipeline start-up, the recipe's cache fill
@@ -58,14 +60,15 @@ import yaml
 
 from scripts.bench import common
 from scripts.bench.common import print_table
-from trainer.tta_stats import SIDES, Run, compare, epoch_records, reached_at, read_run, seed_order
+from trainer.tta_stats import SIDES, Run, accuracy, compare, read_run, seed_order
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDE_COLORS = {"baseline": "tab:blue", "recipe": "tab:orange"}
 BASELINE = ("torchvision reference recipe (ImageFolder + DataLoader, fixed size, SGD + cosine, DDP dense), tuned with "
             "as many runs")
 DATA = Path("datasets/tta_photos")  # written by scripts/make_tta_photos.py if missing
-TARGET_TOP1 = 0.7  # set from tuning seed 0's curves: both frozen configs reach it twice in a row
+TARGETS = (0.6, 0.65, 0.7, 0.75)
+HEADLINE = (0.7, 0.75)
 TARGET_CONSECUTIVE = 2
 RECIPE_CONFIG = "configs/tta_recipe_cpu.yaml"
 BASELINE_CONFIG = "configs/tta_baseline_cpu.yaml"
@@ -104,23 +107,22 @@ def end_tree(pid: int) -> None:
             pass
 
 
-def launch(cmd: list[str], run_dir: Path, target: float, consecutive: int) -> float:
-    """Run one training (output to run_dir/train.log) until it exits or has reached the target, then end it
-    (its process group); the process's wall seconds."""
+def launch(cmd: list[str], run_dir: Path, timeout_s: float | None = None) -> float:
+    """Run one training to the end of its schedule (output to run_dir/train.log); the process's wall seconds. A
+    run that outlives `timeout_s`, or a bench interrupted meanwhile, ends the run's whole process tree (torchrun's
+    workers included) before raising: nothing is left running to load the next measurement."""
     run_dir.mkdir(parents=True, exist_ok=False)
     start = time.perf_counter()
     with open(run_dir / "train.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        stopped = False
-        while proc.poll() is None:
-            time.sleep(0.5)
-            top1 = [float(r["eval/top1"]) for r in epoch_records(run_dir)]
-            if reached_at(top1, target, consecutive) is not None:
-                end_tree(proc.pid)  # the time is recorded; the rest of the schedule is not needed
-                proc.wait()
-                stopped = True
+        try:
+            proc.wait(timeout=timeout_s)
+        except BaseException:  # the timeout, Ctrl-C
+            end_tree(proc.pid)
+            proc.wait()
+            raise
     seconds = time.perf_counter() - start
-    if proc.returncode != 0 and not stopped:
+    if proc.returncode != 0:
         tail = "".join((run_dir / "train.log").read_text().splitlines(keepends=True)[-15:])
         raise RuntimeError(f"{' '.join(cmd)}\nexited with status {proc.returncode}; last lines of "
                            f"{run_dir / 'train.log'}:\n{tail}")
@@ -132,8 +134,7 @@ def torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
 
 
-def baseline_cmd(config: str, run_dir: Path, seed: int, target: float, consecutive: int,
-                 overrides: Sequence[str] = ()) -> list[str]:
+def baseline_cmd(config: str, run_dir: Path, seed: int, overrides: Sequence[str] = ()) -> list[str]:
     """Overrides are `option=value` with the script's option names (lr-warmup-epochs=0, channels-last=true)."""
     flags = []
     for item in overrides:
@@ -143,16 +144,16 @@ def baseline_cmd(config: str, run_dir: Path, seed: int, target: float, consecuti
         else:
             flags.append(f"--{key}={value}")
     return [*torchrun(2), str(ROOT / "scripts" / "tta_baseline.py"), "--config", config, f"--output-dir={run_dir}",
-            f"--seed={seed}", f"--target-top1={target}", f"--target-consecutive={consecutive}", *flags]
+            f"--seed={seed}", "--no-stop-at-target", *flags]
 
 
-def recipe_cmd(config: str, run_dir: Path, disk: Path, ram: Path, seed: int, target: float,
-               overrides: Sequence[str] = ()) -> list[str]:
+def recipe_cmd(config: str, run_dir: Path, disk: Path, ram: Path, seed: int, overrides: Sequence[str] = ()
+               ) -> list[str]:
     """The recipe on fresh, empty cache folders (L1/L3 on disk, the L2 file in RAM): filling them is timed. The
-    trainer's own stop (first evaluation at the target) is off: the bench applies the consecutive rule."""
+    trainer's own stop at its target is off: every run goes to the end."""
     return [*torchrun(2), "-m", "recipes.resnet50", "--config", config, f"log.dir={run_dir}",
             f"data.cache.dir={disk}", f"data.cache.ram_dir={ram}", f"train.seed={seed}",
-            f"train.target_top1={target}", "train.stop_at_target=false", "log.progress=false", *overrides]
+            "train.stop_at_target=false", "log.progress=false", *overrides]
 
 
 def recipe_precision() -> tuple[str, list[str]]:
@@ -162,69 +163,73 @@ def recipe_precision() -> tuple[str, list[str]]:
     return "measured at start-up (train.amp: auto; each run's choice in its env.json)", []
 
 
-def run_side(side: str, seed: int, out: Path, target: float, consecutive: int, overrides: Sequence[str],
+def times_text(r: Run, targets: Sequence[float], consecutive: int) -> str:
+    """'70%: 95.1 s, 75%: missed' for a run."""
+    return ", ".join(f"{100 * t:g}%: " + ("missed" if r.time_to(t, consecutive) is None else
+                                         f"{r.time_to(t, consecutive):.1f} s") for t in targets)
+
+
+def run_side(side: str, seed: int, out: Path, targets: Sequence[float], consecutive: int, overrides: Sequence[str],
              recipe_overrides: Sequence[str]) -> Run:
-    """One run of `side` on `seed` into out/SIDE_seedSEED (which must not exist yet)."""
+    """One run of `side` on `seed` into out/SIDE_seedSEED (which must not exist yet), to the end."""
     run_dir = (out / f"{side}_seed{seed}").resolve()
     if run_dir.exists():
         raise FileExistsError(f"{run_dir}: exists; give a fresh --out (run folders are never reused)")
     load_before = os.getloadavg()[0]
     if side == "baseline":
-        seconds = launch(baseline_cmd(BASELINE_CONFIG, run_dir, seed, target, consecutive, overrides), run_dir,
-                         target, consecutive)
+        seconds = launch(baseline_cmd(BASELINE_CONFIG, run_dir, seed, overrides), run_dir)
     else:
         with tempfile.TemporaryDirectory(prefix="tta-cache-") as disk, \
                 tempfile.TemporaryDirectory(prefix="tta-l2-", dir=RAM_DIR) as ram:
-            cmd = recipe_cmd(RECIPE_CONFIG, run_dir, Path(disk), Path(ram), seed, target,
-                             [*recipe_overrides, *overrides])
-            seconds = launch(cmd, run_dir, target, consecutive)
-    r = read_run(side, seed, run_dir, target, consecutive, seconds, load_before, os.getloadavg()[0])
-    print(f"  {side} seed {seed}: " + (f"target at {r.time_to_target_s:.1f} s (epoch {r.epochs_to_target})"
-                                       if r.reached else f"target not reached in {r.epochs_run} epochs")
-          + f", best top-1 {100 * r.best_top1:.2f}%, process {r.process_s:.1f} s, load {load_before:.1f} -> "
-          f"{r.load_after:.1f}", flush=True)
-    (run_dir / "run.json").write_text(json.dumps({**asdict(r), "target_top1": target,
-                                                   "target_consecutive": consecutive}, indent=1) + "\n")
+            seconds = launch(recipe_cmd(RECIPE_CONFIG, run_dir, Path(disk), Path(ram), seed,
+                                        [*recipe_overrides, *overrides]), run_dir)
+    r = read_run(side, seed, run_dir, seconds, load_before, os.getloadavg()[0])
+    print(f"  {side} seed {seed}: {times_text(r, targets, consecutive)}; final top-1 {100 * r.final_top1:.2f}%, "
+          f"best {100 * r.best_top1:.2f}% in {len(r.top1)} epochs, process {r.process_s:.1f} s, load "
+          f"{load_before:.1f} -> {r.load_after:.1f}", flush=True)
+    (run_dir / "run.json").write_text(json.dumps({**asdict(r), "target_consecutive": consecutive}, indent=1) + "\n")
     return r
 
 
-def load_runs(out: Path) -> tuple[list[Run], float, int]:
-    """The finished runs under `out` (each run folder's run.json, written when the run ended), with the target
-    they ran to; only fresh seeds with both sides finished."""
+def load_runs(out: Path) -> tuple[list[Run], int]:
+    """The finished runs under `out` (each run folder's run.json, written when the run ended), with the rule
+    they were read by; only fresh seeds with both sides finished."""
     docs = [json.loads(p.read_text()) for p in sorted(out.glob("*_seed*/run.json"))]
     if not docs:
         raise FileNotFoundError(f"{out}: no finished run (no */run.json)")
-    targets = {(d.pop("target_top1"), d.pop("target_consecutive")) for d in docs}
-    if len(targets) != 1:
-        raise ValueError(f"{out}: runs with different targets {sorted(targets)}")
+    rules = {d.pop("target_consecutive") for d in docs}
+    if len(rules) != 1:
+        raise ValueError(f"{out}: runs read with different rules (evaluations in a row: {sorted(rules)})")
     runs = [Run(**d) for d in docs if d["seed"] >= FRESH_SEEDS_FROM]  # a tuning run is never evaluated
-    sides = {}
+    sides: dict[int, set[str]] = {}
     for r in runs:
         sides.setdefault(r.seed, set()).add(r.side)
     runs = [r for r in runs if sides[r.seed] == set(SIDES)]
     runs.sort(key=lambda r: (Path(r.run_dir) / "run.json").stat().st_mtime)  # running order
-    (target, consecutive), = targets
-    return runs, target, consecutive
+    (consecutive,) = rules
+    return runs, consecutive
 
 
 # ---------------------------------------------------------------- the comparison
 
-def report(runs: Sequence[Run], result: dict[str, Any], target: float, consecutive: int) -> None:
-    """The per-seed table and the verdict line."""
+def report(runs: Sequence[Run], targets: dict[str, dict[str, Any]], consecutive: int) -> None:
+    """The per-seed table (seconds to each target, final top-1) and a verdict line per target."""
     by = {(r.side, r.seed): r for r in runs}
+    seeds = sorted({r.seed for r in runs})
     rows = []
-    for seed, ratio in zip(result["seeds"], result["ratios"]):
+    for seed in seeds:
         b, r = by[("baseline", seed)], by[("recipe", seed)]
-        cell = (lambda x: f"{x.time_to_target_s:.1f} (ep. {x.epochs_to_target})" if x.reached else "missed")
-        rows.append([seed, "baseline" if runs.index(b) < runs.index(r) else "recipe", cell(b), cell(r),
-                     "-" if ratio is None else f"{ratio:.3f}", f"{b.load_before:.1f}/{b.load_after:.1f}",
-                     f"{r.load_before:.1f}/{r.load_after:.1f}"])
-    print_table(["seed", "first", "baseline s", "recipe s", "recipe/baseline", "load baseline", "load recipe"], rows)
-    low, high = (("unbounded" if x is None else x) for x in result["interval"])
-    print(f"time to {100 * target:g}% top-1 ({consecutive} evaluations in a row), recipe / baseline, median of "
-          f"{result['seeds_in_median']} paired ratio(s): {result['ratio']}; bootstrap 90% interval [{low}, {high}]"
-          + (f"; missed: {', '.join(result['missed'])}" if result["missed"] else "")
-          + (f"; both sides missed (left out): seeds {result['both_missed']}" if result["both_missed"] else ""))
+        first = "baseline" if runs.index(b) < runs.index(r) else "recipe"
+        cells = [f"{'-' if x.time_to(float(t), consecutive) is None else x.time_to(float(t), consecutive)}"
+                 for t in targets for x in (b, r)]
+        rows.append([seed, first, *cells, f"{100 * b.final_top1:.1f} / {100 * r.final_top1:.1f}"])
+    print_table(["seed", "first", *[f"{100 * float(t):g}% {side[0]}" for t in targets for side in SIDES],
+                 "final top-1 b / r"], rows)
+    for t, res in targets.items():
+        missed = "; ".join(f"{side} missed seeds {res['missed'][side]}" for side in SIDES if res["missed"][side])
+        print(f"time to {100 * float(t):g}% top-1 ({consecutive} in a row), recipe / baseline, median of "
+              f"{res['seeds_in_median']} seed(s) both reached: {res['ratio']}; bootstrap 90% interval "
+              f"{res['interval']}; range {res['range']}" + (f"; {missed}" if missed else ""))
 
 
 def configs() -> dict[str, Any]:
@@ -238,19 +243,21 @@ def warm_page_cache(root: Path) -> int:
     return sum(len(p.read_bytes()) for p in root.rglob("*") if p.is_file())
 
 
-def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], target: float,
+def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], targets: Sequence[float],
                   consecutive: int, precision: str, path: Path = TUNING_FILE) -> Path:
     """Append tuning runs to the tuning history (a JSON list), with the date, machine, commit, the side's config
-    file as it was (the overrides apply on top of it) and the recipe's precision."""
+    file as it was (the overrides apply on top of it), the recipe's precision, each run's curve and its time to
+    every target."""
     history = json.loads(path.read_text()) if path.is_file() else []
     config = configs()[f"{side}_config"]
     for r in records:
         history.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": common.commit(),
                         "cpu": common.machine()["cpu"], "side": side, "overrides": list(overrides), "seed": r.seed,
-                        "target_top1": target, "target_consecutive": consecutive,
-                        "time_to_target_s": r.time_to_target_s, "epochs_to_target": r.epochs_to_target,
-                        "best_top1": round(r.best_top1, 4), "epochs_run": r.epochs_run,
-                        "top1": [round(x, 4) for x in r.top1], "elapsed_s": [round(x, 1) for x in r.elapsed_s],
+                        "target_consecutive": consecutive,
+                        "time_to_s": {f"{t:g}": r.time_to(t, consecutive) for t in targets},
+                        "final_top1": round(r.final_top1, 4), "best_top1": round(r.best_top1, 4),
+                        "epochs_run": len(r.top1), "top1": [round(x, 4) for x in r.top1],
+                        "elapsed_s": [round(x, 1) for x in r.elapsed_s],
                         "load_before": r.load_before, "load_after": r.load_after, "config": config,
                         "precision": precision if side == "recipe" else "fp32"})
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -266,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=0,
                         help=f"fresh seeds (default {FULL_SEEDS}; --quick: {QUICK_SEEDS})")
     parser.add_argument("--first-seed", type=int, default=FRESH_SEEDS_FROM, help="the first fresh seed")
-    parser.add_argument("--target", type=float, default=TARGET_TOP1, help=f"top-1 target (default {TARGET_TOP1})")
+    parser.add_argument("--targets", type=float, nargs="+", default=list(TARGETS),
+                        help=f"top-1 targets (default {' '.join(f'{t:g}' for t in TARGETS)})")
     parser.add_argument("--consecutive", type=int, default=TARGET_CONSECUTIVE,
                         help=f"evaluations in a row at or above the target (default {TARGET_CONSECUTIVE})")
     parser.add_argument("--out", type=Path, default=None, help="run folders (default runs/bench_tta/<time>)")
@@ -280,8 +288,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     common.record_run(args)
     seeds = args.seeds or (QUICK_SEEDS if args.quick else FULL_SEEDS)
-    if seeds < 1 or not 0 < args.target <= 1 or args.consecutive < 1:
-        parser.error("--seeds and --consecutive must be >= 1 and --target in (0, 1]")
+    if seeds < 1 or not all(0 < t <= 1 for t in args.targets) or args.consecutive < 1:
+        parser.error("--seeds and --consecutive must be >= 1 and --targets in (0, 1]")
     if args.tune is None and args.first_seed < FRESH_SEEDS_FROM:
         parser.error(f"--first-seed must be >= {FRESH_SEEDS_FROM}: lower seeds are tuning seeds")
     if args.tune is not None and any(not 0 <= s < FRESH_SEEDS_FROM for s in args.tuning_seeds):
@@ -293,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not dali_available():
         reason = "needs NVIDIA DALI for the recipe side (pip install -r requirements.txt)"
         print(f"bench tta: skipped: {reason}")
-        result = {"bench": "tta", "baseline": BASELINE, "skipped": reason, "ratio": None}
+        result = {"bench": result_name(common.machine()), "baseline": BASELINE, "skipped": reason, "ratio": None}
         print(json.dumps(result))
         return result
     from data.tta_photos import prepare
@@ -304,40 +312,52 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     machine = common.machine()
     print(f"# scripts/bench/tta.py: {machine['cpu']}, {machine['cores']} cores, load average "
           + " ".join(f"{x:.1f}" for x in os.getloadavg()))
-    print(f"{DATA}: ResNet-18, 2 processes x 1 CPU thread, target {100 * args.target:g}% top-1 at "
-          f"{args.consecutive} evaluations in a row; recipe precision: {precision}; "
+    print(f"{DATA}: ResNet-18, 2 processes x 1 CPU thread, runs to the end; targets "
+          f"{', '.join(f'{100 * t:g}%' for t in args.targets)} top-1 at {args.consecutive} evaluations in a row; "
+          f"recipe precision: {precision}; "
           f"{warm_page_cache(root) / 1e6:.0f} MB read once beforehand (page cache warm for both)", flush=True)
     if args.from_runs is not None:  # the seeds whose both runs finished, e.g. of a run stopped early
-        runs, target, consecutive = load_runs(args.from_runs)
-        return finish(runs, args.from_runs, target, consecutive, precision, seeds)
+        runs, consecutive = load_runs(args.from_runs)
+        return finish(runs, args.from_runs, args.targets, consecutive, precision, seeds)
     if args.tune is not None:
-        runs = [run_side(args.tune, seed, out, args.target, args.consecutive, args.set, precision_overrides)
+        runs = [run_side(args.tune, seed, out, args.targets, args.consecutive, args.set, precision_overrides)
                 for seed in args.tuning_seeds]
-        path = append_tuning(runs, args.tune, args.set, args.target, args.consecutive, precision)
+        path = append_tuning(runs, args.tune, args.set, args.targets, args.consecutive, precision)
         line = {"bench": "tta-tuning", "side": args.tune, "overrides": args.set, "seeds": args.tuning_seeds,
-                "time_to_target_s": [r.time_to_target_s for r in runs], "history": str(path)}
+                "time_to_s": [{f"{t:g}": r.time_to(t, args.consecutive) for t in args.targets} for r in runs],
+                "final_top1": [r.final_top1 for r in runs], "history": str(path)}
         print(json.dumps(line))
         return line
-    runs = [run_side(side, seed, out, args.target, args.consecutive, (), precision_overrides)
+    runs = [run_side(side, seed, out, args.targets, args.consecutive, (), precision_overrides)
             for seed, side in seed_order(args.first_seed, seeds)]
-    return finish(runs, out, args.target, args.consecutive, precision, seeds)
+    return finish(runs, out, args.targets, args.consecutive, precision, seeds)
 
 
-def finish(runs: Sequence[Run], out: Path, target: float, consecutive: int, precision: str,
+def result_name(machine: dict[str, Any]) -> str:
+    """tta-<cpu model>-<widest vector flag>: one results file per machine (the ranking changes with it)."""
+    words = "".join(c if c.isalnum() else " " for c in machine["cpu"].replace("(R)", "").replace("(TM)", ""))
+    flags = machine["cpu_flags"]
+    widest = next((f.replace("_", "") for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags), "")
+    return "tta-" + "-".join([*words.lower().split(), *([widest] if widest else [])])
+
+
+def finish(runs: Sequence[Run], out: Path, targets: Sequence[float], consecutive: int, precision: str,
            planned: int) -> dict[str, Any]:
-    """Plot, table, the result file and the last-line JSON of finished runs."""
+    """Plot, table, the result file and the last-line JSON of finished runs: per target the comparison, each
+    side's final and best top-1, and the headline targets' ratios."""
     from trainer.tta_plot import plot
 
-    png = plot([Path(r.run_dir) for r in runs], out / "tta.png", "top1", target,
+    png = plot([Path(r.run_dir) for r in runs], out / "tta.png", "top1", min(HEADLINE),
                [f"{r.side} (seed {r.seed})" for r in runs], [SIDE_COLORS[r.side] for r in runs])
-    result = compare(runs)
-    report(runs, result, target, consecutive)
-    line = {"bench": "tta", "baseline": BASELINE, "dataset": str(DATA), "model": "resnet18",
-            "target_top1": target, "target_consecutive": consecutive, "recipe_precision": precision,
-            "seeds_planned": planned, "complete": len(result["seeds"]) >= planned,
-            **configs(), "runs": [{k: v for k, v in asdict(r).items() if k not in ("top1", "elapsed_s")}
-                                  for r in runs],
-            "plot": str(png), **{k: v for k, v in result.items() if k != "ratio"}, "ratio": result["ratio"]}
+    by_target = {f"{t:g}": compare(runs, t, consecutive) for t in sorted(set(targets) | set(HEADLINE))}
+    report(runs, by_target, consecutive)
+    seeds = by_target[f"{HEADLINE[0]:g}"]["seeds"]
+    line = {"bench": result_name(common.machine()), "baseline": BASELINE, "dataset": str(DATA), "model": "resnet18",
+            "target_consecutive": consecutive, "headline": [f"{t:g}" for t in HEADLINE],
+            "recipe_precision": precision, "seeds_planned": planned, "complete": len(seeds) >= planned,
+            **configs(), "runs": [asdict(r) for r in runs], "plot": str(png), "targets": by_target,
+            "accuracy": accuracy(runs),
+            "ratio": by_target[f"{HEADLINE[0]:g}"]["ratio"]}
     path = common.write_result(line)
     if path is not None:
         print(f"# result written to {path}")
