@@ -1,6 +1,7 @@
 """Image classification as a `Task` (trainer/task.py): label-smoothed cross-entropy on images from
 data.build_image_data, top-1/top-5 evaluation, the DAWNBench TSV, and the `train` keys the ResNet recipe
-adds (targets, channels-last). The data pipeline and its cache: docs/data-and-cache.md.
+adds (targets, channels-last, evaluation of a moving average of the weights and of mirrored images). The data
+pipeline and its cache: docs/data-and-cache.md; the evaluation keys: docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kernels import use_direct_convs, use_gemm_for_small_maps
 from trainer.choices import Probe
 from trainer.config import require
 from trainer.dist import Topology, all_reduce_sum, broadcast_module
+from trainer.ema import build_eval_weights
 from trainer.metrics import Writer
 from trainer.schedules import Phase
 from trainer.task import Task
@@ -34,12 +36,26 @@ class ClassificationTrainConfig(TrainConfig):
     channels_last: bool | Literal["auto"] = "auto"
     """Channels-last memory format for the model and images: true, false, or auto = measured at start-up
     (trainer/choices.py)."""
+    ema_decay: float = 0.0
+    """Evaluate an exponential moving average of the weights (BatchNorm statistics included), as torchvision's
+    reference recipe's --model-ema and timm's ModelEmaV2: after every train.ema_every_steps-th applied optimizer
+    step (a step the loss scaler skips is not), ema = decay * ema + (1 - decay) * weights, the first update
+    copying them; checkpointed, and what trainer.export writes. 0 = off (the trained weights); e.g. 0.999."""
+    ema_every_steps: int = 1
+    """With train.ema_decay: update the average at every this many global steps (torchvision's
+    --model-ema-steps); train.ema_decay is the decay per update."""
+    eval_flip: bool = False
+    """Test-time flip, as fast.ai's ImageNet recipes: evaluation averages the softmax of each validation image
+    and of its horizontal mirror (two forward passes of the same batch)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("target_top1", "target_top5"):
             value = getattr(self, name)
             require(0 <= value <= 1, f"train.{name}: a fraction in [0, 1] (e.g. 0.93), got {value}")
+        require(0 <= self.ema_decay < 1, f"train.ema_decay: must be in [0, 1) (0 = off, e.g. 0.999), got "
+                                         f"{self.ema_decay}")
+        require(self.ema_every_steps >= 1, f"train.ema_every_steps: must be >= 1, got {self.ema_every_steps}")
 
 
 class DawnbenchWriter(Writer):
@@ -74,11 +90,21 @@ def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, in
     return int((top[:, 0] == labels).sum()), int((top == labels[:, None]).any(dim=1).sum())
 
 
+def flip_averaged_log_probs(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """log((softmax(model(images)) + softmax(model(mirrored images))) / 2): as logits, their cross-entropy is
+    that of the averaged probabilities and their top-k that of the average."""
+    plain = torch.log_softmax(model(images).float(), dim=1)
+    mirrored = torch.log_softmax(model(images.flip(-1)).float(), dim=1)
+    return torch.logaddexp(plain, mirrored) - math.log(2)
+
+
 class ClassificationTask(Task):
     """A model and an image data source (`data.build_image_data`); phases set image and global batch size.
     Two measured choices are the task's: the memory layout of the model and every batch (`train.channels_last`)
     and, on the CPU, convolutions on tiny maps as GEMMs (`small_map_gemm`, kernels/small_conv.py); a pinned
-    value is applied at once, `auto` when the Trainer has measured (`apply_choices`)."""
+    value is applied at once, `auto` when the Trainer has measured (`apply_choices`). Evaluation runs the
+    weights' moving average (`train.ema_decay`, trainer/ema.py) or the model itself, on each image or also on
+    its mirror (`train.eval_flip`)."""
 
     unit = "images"
 
@@ -94,6 +120,8 @@ class ClassificationTask(Task):
         self.space = {"channels_last": [False, True] if train.channels_last == "auto" else [train.channels_last],
                       "small_map_gemm": [False, True] if gemm == "auto" else [bool(gemm)]}
         self.memory_format = torch.contiguous_format
+        self.eval_weights = build_eval_weights(model, train.ema_decay, train.ema_every_steps)
+        self.eval_flip = train.eval_flip
         self.apply_choices({name: values[0] for name, values in self.space.items()})
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.targets = {"top1": train.target_top1, "top5": train.target_top5}
@@ -122,15 +150,16 @@ class ClassificationTask(Task):
 
     def apply_choices(self, choice: dict[str, Any]) -> None:
         self.memory_format = torch.channels_last if choice["channels_last"] else torch.contiguous_format
-        self.model.to(memory_format=self.memory_format)
-        (use_gemm_for_small_maps if choice["small_map_gemm"] else use_direct_convs)(self.model)
+        for model in self.models():
+            model.to(memory_format=self.memory_format)
+            (use_gemm_for_small_maps if choice["small_map_gemm"] else use_direct_convs)(model)
 
     def probes(self, phases: list[tuple[Phase, int, int]]) -> list[Probe]:
         """Random images, in the layout and element type the loader delivers (`batch_format`, else NCHW fp32),
         and labels, from a fixed generator (the run's generators are not touched): one training batch per
         distinct (per-rank batch, image size) with the run's steps at it, and one evaluation batch per distinct
         (batch, validation size) with the evaluations' batches at it (square crops stand in for rectangular
-        validation), left out of the warm-up round where a training batch has its shape."""
+        validation), whose warm-up step runs in the first measured round (a candidate cut before it skips it)."""
         layout, dtype = getattr(self.data, "batch_format", (torch.contiguous_format, torch.float32))
         val_size = getattr(self.data, "val_size", 0)
         steps: dict[tuple[bool, int, int], float] = {}
@@ -144,8 +173,7 @@ class ClassificationTask(Task):
         gen = torch.Generator().manual_seed(0)
         return [Probe((torch.randn(b, 3, size, size, generator=gen).to(dtype).contiguous(memory_format=layout),
                        torch.randint(0, self.data.num_classes, (b,), generator=gen)), n,
-                      f"{'train' if train else 'eval'} {b}x{size}px {str(dtype)[6:]}", train,
-                      warm=train or (True, b, size) not in steps)
+                      f"{'train' if train else 'eval'} {b}x{size}px {str(dtype)[6:]}", train, warm=train)
                 for (train, b, size), n in steps.items()]
 
     def prepare_probe(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,27 +207,40 @@ class ClassificationTask(Task):
 
     # ------------------------------------------------------------ model
 
+    def models(self) -> list[nn.Module]:
+        """The trained model, and the moving average's copy evaluation runs when there is one."""
+        evaluated = self.eval_weights.module
+        return [self.model] if evaluated is self.model else [self.model, evaluated]
+
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, int]:
         images, labels = batch
         return self.loss_fn(self.model(images), labels), len(labels)
 
+    def after_step(self, step: int) -> None:
+        self.eval_weights.maybe_update(step)
+
     @torch.no_grad()
     def evaluate(self, phase: Phase) -> dict[str, float]:
-        """Top-1/top-5 and loss over the whole validation set, each image counted once across ranks."""
-        broadcast_module(self.model, self.topo, buffers_only=True)  # rank 0's BatchNorm statistics everywhere
-        self.model.eval()
+        """Top-1/top-5 and loss over the whole validation set, each image counted once across ranks, of the
+        weights' moving average when train.ema_decay is set (the record says `eval/ema`), on each image and its
+        mirror when train.eval_flip is (`eval/flip`)."""
+        for module in self.models():  # rank 0's BatchNorm statistics everywhere
+            broadcast_module(module, self.topo, buffers_only=True)
+        model = self.eval_weights.module
+        model.eval()
         size = phase.val_image_size or phase.image_size
         loader = self.data.val_loader(size, max(1, self.per_rank_batch(phase)))
         hits1 = hits5 = count = loss_sum = 0.0
         for images, labels in loader:
             images, labels = self.to_device(images, labels)
-            logits = self.model(images)
+            logits = flip_averaged_log_probs(model, images) if self.eval_flip else model(images)
             loss_sum += float(nn.functional.cross_entropy(logits.float(), labels, reduction="sum"))
             h1, h5 = accuracy_counts(logits, labels)
             hits1, hits5, count = hits1 + h1, hits5 + h5, count + len(labels)
         hits1, hits5, count, loss_sum = all_reduce_sum([hits1, hits5, count, loss_sum], self.topo)
+        flip = {"eval/flip": 1.0} if self.eval_flip else {}
         return {"eval/top1": hits1 / count, "eval/top5": hits5 / count, "eval/loss": loss_sum / count,
-                "eval/images": count}
+                "eval/images": count, **self.eval_weights.metrics(), **flip}
 
     def target_reached(self, record: dict[str, float]) -> bool:
         if not any(self.targets.values()):
@@ -225,3 +266,13 @@ class ClassificationTask(Task):
         phase = {} if self._loader_phase is None else {"phase/image_size": self._loader_phase.image_size,
                                                        "phase/batch_size": self._loader_phase.batch_size}
         return {**phase, **self.data.stats()}
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The weights' moving average, when there is one (train.ema_decay)."""
+        ema = self.eval_weights.state_dict()
+        return {"ema": ema} if ema else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.eval_weights.load_state_dict(state.get("ema", {}))

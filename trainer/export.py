@@ -1,11 +1,14 @@
 """A run's trained weights for serving and for other tools: a torchvision state dict or an ONNX file.
 
     python -m trainer.export RUN --format torchvision [--out FILE] [--step N] [--average-last N] [--arch ARCH]
-    python -m trainer.export RUN --format onnx [--out FILE] [--step N] [--image-size PX]
+                                 [--raw-weights]
+    python -m trainer.export RUN --format onnx [--out FILE] [--step N] [--image-size PX] [--raw-weights]
 
 RUN is a run folder (log.dir: config.yaml and checkpoints/). The weights come from its newest complete
 checkpoint (or the one of step N; with --average-last N, the mean of N checkpoints ending there, as fairseq's
-scripts/average_checkpoints.py). The torchvision file loads into `torchvision.models.<arch>(num_classes=...)`
+scripts/average_checkpoints.py). A run with train.ema_decay set exports the moving average of its weights, the
+ones its evaluation scored (trainer/ema.py; from the checkpoint's shared state), unless --raw-weights asks for
+the trained weights. The torchvision file loads into `torchvision.models.<arch>(num_classes=...)`
 with strict=True; the ONNX file takes a float32 NCHW batch `images` of any size, normalized with the run's
 data.mean/data.std (also in the file's metadata), and gives `logits`. When onnxruntime is installed the
 export is checked against the torch model on a random batch.
@@ -23,8 +26,9 @@ from typing import Any
 import torch
 import yaml
 
-from trainer.checkpoint import (MODEL, CorruptCheckpointError, load_file, read_manifest,
+from trainer.checkpoint import (MODEL, SHARED, CorruptCheckpointError, load_file, read_manifest,
                                 step_dirs, verify_files)
+from trainer.ema import averaged_weights
 from trainer.torchvision_weights import WeightsMismatchError, num_classes_of, to_torchvision, torchvision_model
 
 FORMATS = ("torchvision", "onnx")
@@ -61,19 +65,19 @@ def _listed_checkpoints(folder: Path) -> list[tuple[Path, dict[str, Any]]]:
     return found
 
 
-def _model_verified(ckpt_dir: Path, manifest: dict[str, Any]) -> str | None:
-    """None when the folder's model file matches its manifest (the rank files, which export never reads, are not
-    hashed); otherwise why not."""
+def _model_verified(ckpt_dir: Path, manifest: dict[str, Any], ema: bool = False) -> str | None:
+    """None when the folder's model file (with `ema`, its shared state, which holds the average) matches its
+    manifest (the rank files, which export never reads, are not hashed); otherwise why not."""
     try:
-        verify_files(ckpt_dir, manifest, [MODEL])
+        verify_files(ckpt_dir, manifest, [SHARED if ema else MODEL])
     except (CorruptCheckpointError, OSError) as e:
         return str(e)
     return None
 
 
-def select_checkpoints(run_dir: str | Path, step: int | None = None, last: int = 1) -> list[Path]:
-    """`last` checkpoints of the run whose model file is complete, newest first, the first being the one of
-    `step` (default: the newest such checkpoint)."""
+def select_checkpoints(run_dir: str | Path, step: int | None = None, last: int = 1, ema: bool = False) -> list[Path]:
+    """`last` checkpoints of the run whose model file (with `ema`, shared state) is complete, newest first, the
+    first being the one of `step` (default: the newest such checkpoint)."""
     if last < 1:
         raise ExportError(f"--average-last must be >= 1, got {last}")
     folder = Path(run_dir) / "checkpoints"
@@ -88,14 +92,14 @@ def select_checkpoints(run_dir: str | Path, step: int | None = None, last: int =
             raise ExportError(f"{run_dir}: no checkpoint of step {step} (complete ones: steps "
                               f"{', '.join(map(str, sorted(steps)))})")
         start = steps.index(step)
-        problem = _model_verified(*listed[start])
+        problem = _model_verified(*listed[start], ema)
         if problem is not None:
             raise ExportError(f"the checkpoint of step {step} cannot be used: {problem}")
     chosen = []
     for ckpt_dir, manifest in listed[start:]:
         if len(chosen) == last:
             break
-        problem = _model_verified(ckpt_dir, manifest)
+        problem = _model_verified(ckpt_dir, manifest, ema)
         if problem is None:
             chosen.append(ckpt_dir)
         else:
@@ -108,13 +112,22 @@ def select_checkpoints(run_dir: str | Path, step: int | None = None, last: int =
     return chosen
 
 
-def _load_model(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """The model state of a verified folder; ExportError when a live run removed it (pruning) meanwhile."""
+def _load_model(ckpt_dir: Path, ema: bool = False) -> dict[str, torch.Tensor]:
+    """The model state of a verified folder (with `ema`, the moving average of the weights in its shared
+    state); ExportError when a live run removed it (pruning) meanwhile, or it holds no average."""
+    name = SHARED if ema else MODEL
     try:
-        return load_file(ckpt_dir, MODEL, verify=False)
+        state = load_file(ckpt_dir, name, verify=False)
     except (OSError, RuntimeError, EOFError, CorruptCheckpointError) as e:
-        raise ExportError(f"{ckpt_dir / MODEL}: gone or changed while being read ({e}); a live run prunes old "
+        raise ExportError(f"{ckpt_dir / name}: gone or changed while being read ({e}); a live run prunes old "
                           "checkpoints (train.keep_checkpoints): run the export again") from None
+    if not ema:
+        return state
+    averaged = averaged_weights(state.get("task", {}).get("ema", {}))
+    if averaged is None:
+        raise ExportError(f"{ckpt_dir}: holds no moving average of the weights (written before train.ema_decay "
+                          "was set); --raw-weights exports the trained weights")
+    return averaged
 
 
 def average_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -138,11 +151,12 @@ def average_states(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
     return out
 
 
-def load_weights(run_dir: str | Path, step: int | None = None, average_last: int = 1
+def load_weights(run_dir: str | Path, step: int | None = None, average_last: int = 1, ema: bool = False
                  ) -> tuple[dict[str, torch.Tensor], list[Path]]:
-    """The run's model weights (one checkpoint's, or the mean of `average_last`) and the checkpoints read."""
-    chosen = select_checkpoints(run_dir, step, average_last)
-    states = [_load_model(d) for d in chosen]
+    """The run's model weights (one checkpoint's, or the mean of `average_last`; with `ema`, of the weights'
+    moving average) and the checkpoints read."""
+    chosen = select_checkpoints(run_dir, step, average_last, ema)
+    states = [_load_model(d, ema) for d in chosen]
     return (states[0] if len(states) == 1 else average_states(states)), chosen
 
 
@@ -154,6 +168,8 @@ class RunWeights:
     arch: str
     checkpoints: list[Path]
     config: dict[str, Any]
+    ema: bool = False
+    """Whether these are the moving average of the weights (train.ema_decay), not the trained ones."""
 
     def model(self) -> torch.nn.Module:
         """`torchvision.models.<arch>` with these weights, in eval mode."""
@@ -162,17 +178,24 @@ class RunWeights:
         return model.eval()
 
 
+def uses_ema(config: dict[str, Any]) -> bool:
+    """Whether a run's resolved config evaluated a moving average of its weights (train.ema_decay > 0)."""
+    return float((config.get("train") or {}).get("ema_decay") or 0) > 0
+
+
 def resnet_weights(run_dir: str | Path, step: int | None = None, average_last: int = 1,
-                   arch: str | None = None) -> RunWeights:
-    """The run's weights for torchvision's `arch` (default: the run's model.arch), checked key by key."""
+                   arch: str | None = None, raw: bool = False) -> RunWeights:
+    """The run's weights for torchvision's `arch` (default: the run's model.arch), checked key by key: the
+    moving average of the weights when the run kept one (train.ema_decay), unless `raw`."""
     config = read_run_config(run_dir)
     trained = (config.get("model") or {}).get("arch")
     if trained is None:
         raise ExportError(f"{run_dir}: its model has no model.arch (not a run of the ResNet recipe); --format "
                           f"{' and '.join(FORMATS)} export torchvision ResNets")
-    state, chosen = load_weights(run_dir, step, average_last)
+    ema = uses_ema(config) and not raw
+    state, chosen = load_weights(run_dir, step, average_last, ema)
     try:
-        return RunWeights(to_torchvision(state, arch or trained), arch or trained, chosen, config)
+        return RunWeights(to_torchvision(state, arch or trained), arch or trained, chosen, config, ema)
     except WeightsMismatchError as e:
         raise ExportError(f"{run_dir} trained model.arch={trained}: {e}") from None
 
@@ -209,6 +232,7 @@ def export_onnx(weights: RunWeights, path: str | Path, image_size: int) -> Path:
                       dynamic_shapes=({0: dim("batch"), 2: dim("height", min=16), 3: dim("width", min=16)},))
     data = weights.config.get("data") or {}
     write_metadata(path, {"arch": weights.arch, "checkpoints": ",".join(d.name for d in weights.checkpoints),
+                          "weights": "moving average (train.ema_decay)" if weights.ema else "trained",
                           "mean": str(data.get("mean", "")), "std": str(data.get("std", "")),
                           "input": "float32 NCHW RGB in [0, 1], then (x - mean) / std per channel"})
     return path
@@ -260,12 +284,15 @@ def main(argv: list[str] | None = None) -> Path:
                         help="average the weights of N checkpoints ending at --step (default 1: no averaging)")
     parser.add_argument("--arch", help="torchvision architecture (default: the run's model.arch)")
     parser.add_argument("--image-size", type=int, help="ONNX example input size (default: the last phase's)")
+    parser.add_argument("--raw-weights", action="store_true",
+                        help="the trained weights, not their moving average (runs with train.ema_decay)")
     args = parser.parse_args(argv)
     try:
-        weights = resnet_weights(args.run, args.step, args.average_last, args.arch)
+        weights = resnet_weights(args.run, args.step, args.average_last, args.arch, args.raw_weights)
         if args.format == "torchvision":
             path = export_torchvision(weights, args.out or default_path(args.run, weights, "pth"))
-            print(f"wrote {path}: torchvision.models.get_model({weights.arch!r}, num_classes="
+            which = " (the moving average of the weights)" if weights.ema else ""
+            print(f"wrote {path}{which}: torchvision.models.get_model({weights.arch!r}, num_classes="
                   f"{num_classes_of(weights.state)}).load_state_dict(torch.load({str(path)!r}, weights_only=True))")
             return path
         size = args.image_size or last_image_size(weights.config)

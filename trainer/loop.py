@@ -61,6 +61,8 @@ class Trainer:
         # with the scaler's `found_inf` tensor set on it during the call, which the hook reads (the one sync).
         self._stepped = False
         self.optimizer.register_step_post_hook(self._on_optimizer_step)
+        # Task.after_step; a bare task of a check or a bench, which gives only `loss`, has none to call
+        self._after_step = getattr(task, "after_step", lambda step: None)
         self.checkpointer = Checkpointer(cfg.train, Path(cfg.log.dir) / "checkpoints", topo, self, to_dict(cfg))
         self.preemption = Preemption(topo, cfg.train.preempt_grace_s, cfg.train.preempt_check_every_steps)
         # State (checkpointed): next epoch and the steps of it already done, global step, wall-clock seconds
@@ -172,6 +174,8 @@ class Trainer:
         if once:  # e.g. the auto communicator's calibration, read back by `scripts/plan.py --from-run`
             self.metrics.log("comm", self.step + 1, {f"comm/{k}": v for k, v in once.items()})
         self.optimizer_step(loss)
+        if self._stepped:  # e.g. the weights' moving average (train.ema_decay) folds the new weights in
+            self._after_step(self.step + 1)
         self.optimizer.zero_grad(set_to_none=True)
         self.guard.maybe_check(self.model, self.step + 1)
         return loss.detach(), units, comm_stats

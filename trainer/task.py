@@ -45,6 +45,10 @@ class Task(Protocol):
         the number of `unit`s in this rank's batch."""
         ...
 
+    def after_step(self, step: int) -> None:
+        """After an optimizer step that changed the weights (not one the loss scaler skipped); `step` is the
+        global step it completed (e.g. a moving average of the weights folds them in)."""
+
     def evaluate(self, phase: Phase) -> dict[str, float]:
         """Collective over all ranks: `eval/*` metrics over the whole validation split (the Trainer wraps it
         in no_grad and autocast; the task sets the model's eval mode)."""
