@@ -297,8 +297,12 @@ def _live_link_change(rank: int, world: int, inter_s_per_mb: list[float]) -> lis
     """The plan once calibrated and tried, then after each window, the link's delay per MB set per window."""
     topo = setup_distributed(DistConfig(ranks_per_node=1))
     emulation = Emulation(select_s=SELECTION_S)
-    # hysteresis: the link changes are x3 and more; 3-step windows of ~20 ms steps are noisy
-    cfg, model, comm = _auto_comm(topo, emulation, redecide_every=3, trial_steps=3, hysteresis=0.5)
+    # hysteresis: the link slows x15 (the large bucket's chain ~x10), and one window moving by more than it does
+    # not re-decide (a fast window here moved up to 40%, a top-k one 20%, dense16's step 1.15x dense's). It is
+    # also the margin a new plan must be predicted faster by: the model's one link scale, from the large
+    # bucket's bytes, scales the small bucket's and the allgather's latency too, and with the latencies a loaded
+    # box's probes measure it predicts top-k 0.5-0.7x dense where it measures 0.2x (at 0.5 it stayed dense)
+    cfg, model, comm = _auto_comm(topo, emulation, redecide_every=3, trial_steps=3, hysteresis=0.25)
     plans = []
     for delay in inter_s_per_mb:
         emulation.inter_s_per_mb = delay
@@ -318,10 +322,10 @@ def test_a_link_that_slows_down_on_a_live_run_is_re_decided_once_alike_on_every_
     assert all(p == plans[0] for p in plans), plans
     calibrated, unchanged, *slow = plans[0]
     assert calibrated[0].startswith("dense") and unchanged == calibrated, plans[0]  # nothing changed: it holds
-    # the link slowed down: re-decided to top-k once two windows confirm it (after a new plan's reference
-    # settles, plus a dense window from dense16)
-    first = next(i for i, p in enumerate(slow) if p[0] == "topk")
-    assert first <= 3 and all(p[0].startswith("dense") for p in slow[:first]), plans[0]
+    # the link slowed down: re-decided to top-k once two windows confirm it (under dense16, after one window
+    # all dense to measure it), also when the trials kept all dense: their dense window is the reference
+    first = next((i for i, p in enumerate(slow) if p[0] == "topk"), None)
+    assert first is not None and first <= 2 and all(p[0].startswith("dense") for p in slow[:first]), plans[0]
     assert all(p[0] == "topk" for p in slow[first:]), plans[0]  # and no flapping back
 
 

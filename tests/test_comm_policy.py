@@ -120,6 +120,29 @@ def test_a_link_that_slows_under_dense_is_re_decided_once_after_two_windows_and_
     assert [(a.kind, a.plan) for a in after] == [("keep", TOPK_PLAN)] * 4
 
 
+def test_a_link_that_slows_right_after_trials_that_kept_dense_is_re_decided():
+    # the trials keep all dense: its trial's window is the reference, so a link that slows in the first
+    # windows after them is a move (not the settling reference of a new plan, which would absorb it)
+    net = network(1e8)
+    p, _ = started(net, trial_steps=3)
+    assert run_trials(p, net, {plan: 0.8 for plan in p.trials} | {DENSE_PLAN: 0.5}).plan == DENSE_PLAN
+    kinds = [p.observe(window(net, DENSE_PLAN, 0.5)).kind]
+    slow = [p.observe(window(net, DENSE_PLAN, 0.5, link_factor=10)) for _ in range(2)]
+    assert kinds + [a.kind for a in slow] == ["keep", "keep", "switch"] and slow[1].plan == TOPK_PLAN
+
+
+def test_drift_is_judged_on_the_bucket_that_measured_longest_not_on_a_noisy_small_one():
+    # high latency: the model's longest chain under top-k is the small dense bucket (its latency), which
+    # measures a tenth of the large one's and halves between windows: not a move of the links
+    net = dataclasses.replace(network(1e8), links={k: Link(3e-3, 1e8) for k in ("world", "world16", "world_gather")})
+    p, _ = started(net)
+    predicted = predict(SIZES, READY, TOPK_PLAN, net, True)[1]
+    assert predicted[0] > predicted[1]
+    small = [0.010, 0.010, 0.004, 0.004, 0.004]
+    actions = [p.observe(Window(TOPK_PLAN, READY, (s, 0.075), 0.1)) for s in small]
+    assert [(a.kind, a.plan) for a in actions] == [("keep", TOPK_PLAN)] * len(small)
+
+
 def test_a_link_change_under_a_sparse_plan_measures_dense_again_before_deciding():
     net = network(1e8)
     p, first = started(net)

@@ -168,7 +168,9 @@ class Policy:
         best = min(range(len(self.tried) - 1), key=lambda i: self.tried[i][0])
         pick = best if self.tried[best][0] < (1 - MARGIN) * self.dense_cost_s else -1
         self._use(self.trials[pick] if pick >= 0 else self.dense)
-        self._reference = self.tried[pick][1] if pick >= 0 else None  # the kept plan's measured window
+        # the kept plan's measured window: all dense is the last trial (pick -1), so a link change in the
+        # window after the trials is a move from it, not a new plan's settling reference that absorbs it
+        self._reference = self.tried[pick][1]
         return self._action("keep", f"{message}\ncomm auto: all dense measured {self.dense_cost_s * 1e3:.1f} ms; "
                                     f"keeping {plan_summary(self.plan)}")
 
@@ -201,9 +203,11 @@ class Policy:
             # still be settling (allocator, selection kernels, caches)
             self._settling = reference is None
             self._reference, reference = chain, chain
-        # the bucket the model gives the longest chain: a small bucket's time is mostly the wait for its peers
+        # the bucket whose chain measured longest in the reference: a small bucket's time is mostly the wait for
+        # its peers (not the model's longest: one link scale, from the large bucket's bytes, also scales a small
+        # bucket's latency, and can make it the longest predicted when it measures a tenth)
         predicted = predict(self.sizes, self.ready, self.plan, self.net, self.local_competes)[1]
-        top = max(range(len(chain)), key=lambda i: predicted[i])
+        top = max(range(len(chain)), key=lambda i: reference[i])
         ratio = chain[top] / reference[top] if reference[top] > 0 else 1.0
         # a move counts when two windows in a row moved the same way: one noisy window does not re-decide
         moved = abs(ratio - 1) > h and self._moved_before == (ratio > 1)
