@@ -250,7 +250,8 @@ def tta(r: dict[str, Any]) -> list[str]:
         return ", ".join(map(str, seeds)) or "none"
 
     targets, headline = r["targets"], r["headline"]
-    rows = [[f"{100 * float(t):g}%{' (headline)' if t in headline else ''}", f"{e['seeds_in_median']} of {len(e['seeds'])}",
+    rows = [[f"{100 * float(t):g}%{' (headline)' if t in headline else ''}",
+             f"{e['seeds_in_median']} of {len(e['seeds'])}",
              f"**{ratio_or_none(e['ratio'])}**" if t in headline else ratio_or_none(e["ratio"]),
              " to ".join(ratio_or_none(x) for x in e["interval"]), " to ".join(ratio_or_none(x) for x in e["range"]),
              missed(e["missed"]["baseline"]), missed(e["missed"]["recipe"])] for t, e in targets.items()]
@@ -260,10 +261,13 @@ def tta(r: dict[str, Any]) -> list[str]:
         seconds(targets[t]["recipe_s"][i], targets[t]["recipe_epochs"][i]), ratio_or_none(targets[t]["ratios"][i]))]]
         for i, seed in enumerate(seeds)]
     acc = r.get("accuracy")
-    accuracy_line = ("Final top-1, mean over the seeds: baseline "
-                     f"{100 * acc['baseline']['mean_final_top1']:.1f}%, recipe {100 * acc['recipe']['mean_final_top1']:.1f}% "
-                     f"(best: {100 * acc['baseline']['mean_best_top1']:.1f}% and {100 * acc['recipe']['mean_best_top1']:.1f}%)."
-                     if acc else "Final top-1 not recorded: these runs stopped at the target.")
+
+    def pct(side: str, key: str) -> str:
+        return f"{100 * acc[side][key]:.1f}%"
+    accuracy_line = (f"Final top-1, mean over the seeds: baseline {pct('baseline', 'mean_final_top1')}, recipe "
+                     f"{pct('recipe', 'mean_final_top1')} (best: {pct('baseline', 'mean_best_top1')} and "
+                     f"{pct('recipe', 'mean_best_top1')})." if acc else
+                     "Final top-1 not recorded: these runs stopped at the target.")
     return [*table(["target", "seeds both reached", "recipe / baseline, median", "bootstrap 90% interval", "range",
                     "baseline missed", "recipe missed"], rows), "",
             *table(["fresh seed", *[f"{h} {100 * float(t):g}%" for t in headline
@@ -309,6 +313,25 @@ def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive
             f"--tune SIDE --set KEY=VALUE`: {counts} (started at a 1-minute load below {QUIET_LOAD:g}; a run itself "
             "loads the 2-core box to about 2). The times of runs started under other jobs' load are not comparable; "
             "their curves are. Without overrides a run is the side's config at that commit."]
+
+
+def tta_ablation(runs: list[dict[str, Any]]) -> list[str]:
+    """The recipe's tuning runs that ran to the end and changed nothing but comm.kind (none: the config's auto),
+    grouped by exchange: their seeds and final and best top-1."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        kinds = [o.partition("=")[2] for o in run["overrides"] if o.startswith("comm.kind=")]
+        if run["side"] == "recipe" and "final_top1" in run and len(kinds) == len(run["overrides"]) <= 1:
+            groups.setdefault(kinds[0] if kinds else "auto (the config)", []).append(run)
+    if not groups:
+        return ["_No ablation run yet: `python -m scripts.bench.tta --tune recipe --set comm.kind=KIND --tuning-seeds "
+                "0 1 2` runs one._"]
+    rows = [[f"`{kind}`", ", ".join(str(r["seed"]) for r in group),
+             f"`{', '.join(sorted({r['commit'][:7] for r in group}))}`",
+             f"{100 * statistics.mean(r['final_top1'] for r in group):.1f}% "
+             f"({100 * min(r['final_top1'] for r in group):.1f}-{100 * max(r['final_top1'] for r in group):.1f})",
+             f"{100 * statistics.mean(r['best_top1'] for r in group):.1f}%"] for kind, group in sorted(groups.items())]
+    return table(["comm.kind", "tuning seeds", "commit", "final top-1, mean (range)", "best top-1, mean"], rows)
 
 
 SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
@@ -405,10 +428,11 @@ def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
     """The generated text of the block `<!-- results:NAME -->`."""
     if name == "summary":
         return summary(results_dir)
-    if name == "tta_tuning":
-        return render_tuning(results_dir)
+    if name in ("tta_tuning", "tta_ablation"):
+        return render_tuning(results_dir, name)
     if name not in TABLES:
-        raise ResultsError(f"results:{name}: no such table (known: summary, tta_tuning, {', '.join(TABLES)})")
+        raise ResultsError(f"results:{name}: no such table (known: summary, tta_tuning, tta_ablation, "
+                           f"{', '.join(TABLES)})")
     paths = result_files(results_dir, name)
     if not paths:
         return f"_No result file yet: `python -m scripts.bench.{name}` writes `docs/results/{name}.json`._\n"
@@ -420,14 +444,17 @@ def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
     return "\n\n".join(blocks) + "\n"
 
 
-def render_tuning(results_dir: Path) -> str:
-    """The TTA tuning history, read at each headline target of the bench as it is now."""
+def render_tuning(results_dir: Path, name: str = "tta_tuning") -> str:
+    """From the TTA tuning history: every run, read at each headline target of the bench as it is now
+    (`tta_tuning`), or the recipe's exchange ablation (`tta_ablation`)."""
     from scripts.bench.tta import HEADLINE, TARGET_CONSECUTIVE
 
     path = results_dir / "tta_tuning.json"
     if not path.exists():
         return "_No tuning run yet: `python -m scripts.bench.tta --tune SIDE` writes `docs/results/tta_tuning.json`._\n"
-    return "\n".join(tta_tuning(json.loads(path.read_text()), HEADLINE, TARGET_CONSECUTIVE)) + "\n"
+    runs = json.loads(path.read_text())
+    lines = tta_tuning(runs, HEADLINE, TARGET_CONSECUTIVE) if name == "tta_tuning" else tta_ablation(runs)
+    return "\n".join(lines) + "\n"
 
 
 def regenerate(text: str, results_dir: Path = RESULTS_DIR) -> tuple[str, list[str]]:

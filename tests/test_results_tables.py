@@ -140,6 +140,22 @@ def test_tuning_runs_are_read_at_the_bench_target_from_their_curves(tmp_path: Pa
     assert "No tuning run yet" in render("tta_tuning", tmp_path / "empty")
 
 
+def test_the_ablation_groups_the_recipes_runs_to_the_end_by_exchange_only(tmp_path: Path) -> None:
+    def run(side: str, seed: int, overrides: list[str], final: float | None) -> dict:
+        out = {"side": side, "seed": seed, "overrides": overrides, "commit": "abcdef0123", "top1": [0.5, 0.7],
+               "best_top1": 0.9}
+        return out if final is None else {**out, "final_top1": final}
+    runs = [run("recipe", 0, ["comm.kind=dense"], 0.8), run("recipe", 1, ["comm.kind=dense"], 0.7),
+            run("recipe", 0, [], 0.6), run("recipe", 0, ["comm.kind=hitopk"], 0.5),
+            run("recipe", 2, ["comm.kind=dense", "optim.lr=0.1"], 0.99),  # changed more than the exchange
+            run("baseline", 0, [], 0.99), run("recipe", 3, ["comm.kind=dense"], None)]  # stopped at its target
+    (tmp_path / "tta_tuning.json").write_text(json.dumps(runs))
+    rows = [line for line in render("tta_ablation", tmp_path).splitlines() if line.startswith("| `")]
+    assert rows == ["| `auto (the config)` | 0 | `abcdef0` | 60.0% (60.0-60.0) | 90.0% |",
+                    "| `dense` | 0, 1 | `abcdef0` | 75.0% (70.0-80.0) | 90.0% |",
+                    "| `hitopk` | 0 | `abcdef0` | 50.0% (50.0-50.0) | 90.0% |"]
+
+
 def test_a_result_made_of_training_runs_shows_the_runs_load_not_the_report_s() -> None:
     record = json.loads(next(RESULTS_DIR.glob("tta-*.json")).read_text())
     record["load_avg_1min"] = {"start": 0.1, "end": 0.1}  # a later --from-runs report on an idle box
