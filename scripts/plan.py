@@ -30,6 +30,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Sequence
 
+from scripts.bench.common import print_table
 from trainer.comm.cost import Layout, Network, plan_summary
 from trainer.comm.emulated import compare_with_measurements, load_calibration, tcp_efficiency
 from trainer.comm.planner import (DENSITIES, NVLINK_BYTES_PER_S, P3_16XLARGE_USD_PER_HOUR, PUBLISHED_S,
@@ -37,6 +38,7 @@ from trainer.comm.planner import (DENSITIES, NVLINK_BYTES_PER_S, P3_16XLARGE_USD
                                   V100_TENSOR_FLOPS, ModelSpec, PhasePlan, PlanError, calibration_densities,
                                   gpu_network, load_run_calibration, model_spec, phases_from_config, predict_run,
                                   recommend, replan, step_plans, strategies, transformer_compute_s)
+from trainer.dawnbench_report import hms
 
 WMT_VOCAB = 32000
 """The shared BPE vocabulary when the config's corpus is not prepared here (scripts/prepare_wmt.py's default)."""
@@ -104,21 +106,6 @@ def recipe_model_spec(cfg: Any, transformer: bool, calibration: dict | None = No
 # ---------------------------------------------------------------- printing
 
 
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """Rows under headers in aligned columns (floats: 3 significant digits, no exponent)."""
-    cells = [[str(v) if not isinstance(v, float) else f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}" for v in row]
-             for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    print(" | ".join(h.ljust(w) for h, w in zip(headers, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for row in cells:
-        print(" | ".join(c.ljust(w) for c, w in zip(row, widths)))
-
-
-def _mmss(seconds: float) -> str:
-    return f"{int(seconds // 60)}:{int(round(seconds % 60)):02d}"
-
-
 def print_comparison(rows: list[dict[str, Any]], calibration: dict) -> float:
     print(f"Planner vs the emulated cluster (scripts/bench/scaling.py, {calibration.get('measured', '?')}, "
           f"{calibration.get('machine', '?')}). In sample: predicted from links fitted to the raw collectives, the "
@@ -155,23 +142,23 @@ def print_resnet_plan(cfg: Any, args: argparse.Namespace, net: Network, spec: Mo
                          args.images_per_s) for s in strategies(cfg.comm, args.densities)]
     print("\nPredicted (training + evaluation; data loading, start-up and checkpoints not modelled):")
     print_table(["exchange", *[f"step ms @{p.image_size}" for p in phases], "train s", "eval s", "time", "cost $"],
-                [[p.strategy.label, *[s * 1e3 for s in p.step_s], p.train_s, p.eval_s, _mmss(p.total_s), p.cost_usd]
+                [[p.strategy.label, *[s * 1e3 for s in p.step_s], p.train_s, p.eval_s, hms(p.total_s), p.cost_usd]
                  for p in preds])
     auto = preds[-1]
     best = recommend(preds)
-    print(f"\nRecommendation: {best.strategy.label} ({_mmss(best.total_s)}, ${best.cost_usd:.2f}); the densest "
+    print(f"\nRecommendation: {best.strategy.label} ({hms(best.total_s)}, ${best.cost_usd:.2f}); the densest "
           "setting within 3% of the fastest fixed one (density changes convergence; the planner assumes the "
           "recipe's epochs hold)")
     print("comm.kind auto would choose, per phase: "
           + "; ".join(f"@{p.image_size} px {plan_summary(plan)}" for p, plan in zip(phases, auto.plans))
-          + f" ({_mmss(auto.total_s)}, ${auto.cost_usd:.2f})")
+          + f" ({hms(auto.total_s)}, ${auto.cost_usd:.2f})")
     configured = next((p for p in preds if p.strategy.is_configured(cfg.comm)), None)
     if configured is not None:
-        print(f"The config's own choice, comm.kind={cfg.comm.kind}: {_mmss(configured.total_s)}, "
+        print(f"The config's own choice, comm.kind={cfg.comm.kind}: {hms(configured.total_s)}, "
               f"${configured.cost_usd:.2f}")
     print("Published (DAWNBench time to 93% top-5, 128 V100, 25 Gbit/s; end to end, incl. data loading):")
     for who, seconds in PUBLISHED_S.items():
-        print(f"  {_mmss(seconds)}  {who}")
+        print(f"  {hms(seconds)}  {who}")
     return {"recommended": best.strategy.label, "recommended_s": round(best.total_s, 1),
             "configured_s": round(configured.total_s, 1) if configured else None,
             "dense_s": round(preds[0].total_s, 1), "auto_s": round(auto.total_s, 1),

@@ -447,7 +447,7 @@ def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
 def render_tuning(results_dir: Path, name: str = "tta_tuning") -> str:
     """From the TTA tuning history: every run, read at each headline target of the bench as it is now
     (`tta_tuning`), or the recipe's exchange ablation (`tta_ablation`)."""
-    from scripts.bench.tta import HEADLINE, TARGET_CONSECUTIVE
+    from trainer.tta_stats import HEADLINE, TARGET_CONSECUTIVE
 
     path = results_dir / "tta_tuning.json"
     if not path.exists():

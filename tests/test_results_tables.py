@@ -115,7 +115,7 @@ def test_a_per_machine_bench_renders_each_machines_file(tmp_path: Path) -> None:
 
 
 def test_tuning_runs_are_read_at_the_bench_target_from_their_curves(tmp_path: Path) -> None:
-    from scripts.bench.tta import HEADLINE, TARGET_CONSECUTIVE
+    from trainer.tta_stats import HEADLINE, TARGET_CONSECUTIVE
     TARGET_TOP1 = HEADLINE[0]
 
     def run(side: str, top1: list[float], overrides: list[str]) -> dict:

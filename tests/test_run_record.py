@@ -41,7 +41,7 @@ def test_two_ranks_record_both_hosts_and_rank_zero_writes(tmp_path):
     assert record["versions"]["torch"] == torch.__version__ and record["versions"]["cuda"] == torch.version.cuda
     assert record["packages"]["torch"] == importlib.metadata.version("torch")
     assert record["packages"]["numpy"] == importlib.metadata.version("numpy")
-    sha = record["git_commit"].removesuffix("-dirty")  # (HEAD may move meanwhile: others commit in this tree)
+    sha = record["git_commit"].removesuffix("+dirty")  # (HEAD may move meanwhile: others commit in this tree)
     assert re.fullmatch(r"[0-9a-f]{40}", sha) and git_commit() != "unknown" and record["command"]["argv"]
     assert subprocess.run(["git", "cat-file", "-e", f"{sha}^{{commit}}"], cwd=ROOT).returncode == 0
     cpuinfo = Path("/proc/cpuinfo").read_text()

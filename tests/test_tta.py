@@ -20,6 +20,7 @@ from PIL import Image
 from data.tta_photos import VAL_SIDE, prepare, region_centres
 from scripts import tta_baseline  # the baseline contender: a command line (parse_args, main) under test
 from scripts.bench import tta  # the bench's command line (main) and its runner
+from scripts.bench.common import run_logged  # the benches' run control: to the end, nothing left running
 from tests.conftest import ROOT, run_ranks
 from trainer import tta_plot
 from trainer.tta_plot import plot
@@ -384,12 +385,12 @@ for epoch, top1 in enumerate([0.5, 0.95, 0.8, 0.95, 0.96] + [0.97] * 10000):
 def test_launch_runs_to_the_end_and_an_interrupted_one_leaves_nothing_running(tmp_path):
     finished = tmp_path / "finished"
     script = FAKE_TRAINER.replace("[0.97] * 10000", "[0.97] * 2").replace("time.sleep(600)", "time.sleep(0)")
-    tta.launch([sys.executable, "-c", script, str(finished)], finished)
+    run_logged([sys.executable, "-c", script, str(finished)], finished)
     got = read_run("recipe", 0, finished, 1.0, 1.0, 1.0)
     assert len(got.top1) == 7 and got.time_to(0.9, 2) == 5.0 and got.time_to(0.965, 2) == 7.0  # to the end
     run_dir = tmp_path / "run"
     with pytest.raises(subprocess.TimeoutExpired):  # would write records for ~30 min
-        tta.launch([sys.executable, "-c", FAKE_TRAINER, str(run_dir)], run_dir, timeout_s=3.0)
+        run_logged([sys.executable, "-c", FAKE_TRAINER, str(run_dir)], run_dir, timeout_s=3.0)
     worker = int((run_dir / "worker.pid").read_text())
     for _ in range(100):  # SIGKILLed; gone once its parent (now init) has reaped it
         if not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]:
@@ -403,7 +404,7 @@ def test_launch_runs_to_the_end_and_an_interrupted_one_leaves_nothing_running(tm
 def test_a_failed_launch_shows_the_command_status_and_log_tail(tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('rank 0: out of memory'); sys.exit(3)"]
     with pytest.raises(RuntimeError, match=r"(?s)exited with status 3; last lines of .*train.log:\nrank 0: out of mem"):
-        tta.launch(cmd, tmp_path / "run")
+        run_logged(cmd, tmp_path / "run")
     with pytest.raises(FileNotFoundError, match="no evaluated epoch; the recipe run failed"):
         read_run("recipe", 0, tmp_path / "run", 1.0, 1.0, 1.0)
 

@@ -230,7 +230,8 @@ def to_dict(cfg: Any) -> Any:
 
 
 def git_commit() -> str:
-    """The repository's commit (with `-dirty` when modified), or 'unknown' outside a git checkout."""
+    """The repository's commit (with `+dirty` when tracked files are modified), or 'unknown' outside a git
+    checkout."""
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
@@ -240,7 +241,7 @@ def git_commit() -> str:
         return "unknown"
     if sha.returncode != 0:
         return "unknown"
-    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def save_config(cfg: Any, path: str | Path) -> None:

@@ -124,8 +124,9 @@ class SelectionStep:
 class InputStep:
     """The Subject of `data.workers`: a loader per candidate for `phase`, built once; applying a
     candidate first takes, untimed, the batches its loader prepared while the others were measured (its queue:
-    `drain` batches, fetched without computing) and then one training step (during which the loader refills as
-    it does in training), so that a step - `steps` training steps of the run's model on the loader's batches,
+    `drain` batches, fetched without computing) and then one training step (during which the loader refills; a
+    loader slower than the model may still hold up to workers - 1 batches more than in steady training when the
+    timed steps begin), so that a step - `steps` training steps of the run's model on the loader's batches,
     fetch included - times the loader and the model running together, at the pace they keep, under the choices
     `run_step` has applied. Applying warms a candidate up (its loader built, its queue drained), so no warm-up
     round is needed."""

@@ -26,6 +26,12 @@ from trainer.run_record import read_run_record
 
 SIDES = ("baseline", "recipe")
 """The two contenders, in the order the first seed runs them."""
+TARGETS = (0.6, 0.65, 0.7, 0.75)
+"""Top-1 targets the time-to-accuracy bench reads every run at."""
+HEADLINE = (0.7, 0.75)
+"""The targets its verdict is about."""
+TARGET_CONSECUTIVE = 2
+"""Evaluations in a row at or above a target before it counts as reached."""
 
 
 def reached_at(top1: Sequence[float], target: float, consecutive: int) -> int | None:

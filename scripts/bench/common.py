@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from trainer.config import git_commit
 from trainer.run_record import cpu_info, device_name, kernel_flags
 
 DEFAULT_THREADS = 2  # the CPU box has two cores
@@ -70,13 +72,7 @@ def machine() -> dict[str, Any]:
 
 def commit() -> str:
     """HEAD's hash, with '+dirty' when tracked files differ from it ('unknown' outside a git checkout)."""
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    try:
-        head = git("rev-parse", "HEAD")
-        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return git_commit()
 
 
 def write_result(result: Mapping[str, Any]) -> Path | None:
@@ -182,17 +178,54 @@ def _cell(value: Any) -> str:
     return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
-def run_logged(cmd: Sequence[str], out: Path) -> float:
-    """Run `cmd` from the repository root with its output in out/train.log (`out` is created); its wall seconds.
-    A non-zero exit raises, with the command, its status and the log's last lines."""
-    out.mkdir(parents=True)
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts each worker in a session of its own, so a process group does
+    not hold them), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process has just exited
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def end_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (no process outside its tree)."""
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_logged(cmd: Sequence[str], out: Path, timeout_s: float | None = None) -> float:
+    """Run `cmd` from the repository root to its end, its output in out/train.log (`out` is created, and must not
+    exist); its wall seconds. A non-zero exit raises, with the command, its status and the log's last lines. A run
+    that outlives `timeout_s`, or a bench interrupted meanwhile, ends the run's whole process tree (torchrun's
+    workers included) before raising: nothing is left running to load the next measurement."""
+    out.mkdir(parents=True, exist_ok=False)
     start = time.perf_counter()
     with open(out / "train.log", "w") as log:
-        done = subprocess.run(list(cmd), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode:
+        proc = subprocess.Popen(list(cmd), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+        except BaseException:  # the timeout, Ctrl-C
+            end_tree(proc.pid)
+            proc.wait()
+            raise
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
         tail = "".join((out / "train.log").read_text().splitlines(keepends=True)[-15:])
-        raise RuntimeError(f"{' '.join(cmd)}\nexited with status {done.returncode}:\n{tail}")
-    return time.perf_counter() - start
+        raise RuntimeError(f"{' '.join(cmd)}\nexited with status {proc.returncode}; last lines of "
+                           f"{out / 'train.log'}:\n{tail}")
+    return seconds
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

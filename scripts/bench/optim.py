@@ -1,8 +1,8 @@
 """One optimizer step over ResNet-50's 161 parameter tensors: loop LARS vs FusedLARS vs SGD.
 
 Baseline: kernels.lars.LARSReference, FusedLARS's update as a per-tensor Python loop (the way
-timm.optim.Lars is written). Floor: torch.optim.SGD(foreach=True) with momentum, the same step
-without norms or trust ratios. Conv/linear weights decay and get trust ratios; BN weights and biases
+timm.optim.Lars is written). Reference: torch.optim.SGD(foreach=True) with momentum, the same step
+without norms or trust ratios (not a lower bound: FusedLARS can beat it). Conv/linear weights decay and get trust ratios; BN weights and biases
 (tensors of rank <= 1) form a lars_exclude group. ratio (JSON) = loop ms / FusedLARS ms. On the
 CPU, FusedLARS runs the compiled kernel (kernels/csrc/lars_cpu.cpp) where it builds; the header
 line says which path ran.

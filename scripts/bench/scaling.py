@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from scripts.bench import common
 from scripts.bench.common import bench_parser, emit_result, print_table, record_run
 from trainer.comm.plan import KINDS as FIXED
 from trainer.comm.emulated import renamed
@@ -457,7 +458,7 @@ def measure_all(args: argparse.Namespace, models: list[str], steps: int) -> list
                            "--steps", str(steps), "--density", str(args.density), *(["--primitives"] if j == 0 else []))
                     part = json.loads(path.read_text())
                     part.update(wall_s=time.perf_counter() - start, measured=time.strftime("%Y-%m-%d %H:%M"),
-                                commit=_commit())
+                                commit=common.commit())
                     path.write_text(json.dumps(part))
                 run["models"].update(part["models"])
                 run["wall_s"] += part["wall_s"]
@@ -469,14 +470,6 @@ def measure_all(args: argparse.Namespace, models: list[str], steps: int) -> list
         if up is not None:
             _netem("cluster.sh", "down", quiet=True)
     return runs
-
-
-def _commit() -> str:
-    """The checked-out commit (with '+dirty' when the working tree differs from it)."""
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "-uno") else "")
 
 
 # ---------------------------------------------------------------- report (parent side)

@@ -47,8 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,16 +58,14 @@ import yaml
 
 from scripts.bench import common
 from scripts.bench.common import print_table
-from trainer.tta_stats import SIDES, Run, accuracy, compare, read_run, seed_order
+from trainer.tta_stats import (HEADLINE, SIDES, TARGET_CONSECUTIVE, TARGETS, Run, accuracy, compare, read_run,
+                               seed_order)
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDE_COLORS = {"baseline": "tab:blue", "recipe": "tab:orange"}
 BASELINE = ("torchvision reference recipe (ImageFolder + DataLoader, fixed size, SGD + cosine, DDP dense), tuned with "
             "as many runs")
 DATA = Path("datasets/tta_photos")  # written by scripts/make_tta_photos.py if missing
-TARGETS = (0.6, 0.65, 0.7, 0.75)
-HEADLINE = (0.7, 0.75)
-TARGET_CONSECUTIVE = 2
 RECIPE_CONFIG = "configs/tta_recipe_cpu.yaml"
 BASELINE_CONFIG = "configs/tta_baseline_cpu.yaml"
 FRESH_SEEDS_FROM = 100  # seeds below are tuning seeds
@@ -79,55 +75,6 @@ RAM_DIR = "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 
 # ---------------------------------------------------------------- one run
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torchrun starts each worker in a session of its own, so a process group does
-    not hold them), from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the process has just exited
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def end_tree(pid: int) -> None:
-    """SIGKILL `pid` and every process below it (no process outside its tree)."""
-    for p in [pid, *descendants(pid)]:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def launch(cmd: list[str], run_dir: Path, timeout_s: float | None = None) -> float:
-    """Run one training to the end of its schedule (output to run_dir/train.log); the process's wall seconds. A
-    run that outlives `timeout_s`, or a bench interrupted meanwhile, ends the run's whole process tree (torchrun's
-    workers included) before raising: nothing is left running to load the next measurement."""
-    run_dir.mkdir(parents=True, exist_ok=False)
-    start = time.perf_counter()
-    with open(run_dir / "train.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout_s)
-        except BaseException:  # the timeout, Ctrl-C
-            end_tree(proc.pid)
-            proc.wait()
-            raise
-    seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        tail = "".join((run_dir / "train.log").read_text().splitlines(keepends=True)[-15:])
-        raise RuntimeError(f"{' '.join(cmd)}\nexited with status {proc.returncode}; last lines of "
-                           f"{run_dir / 'train.log'}:\n{tail}")
-    return seconds
-
 
 def torchrun(nproc: int) -> list[str]:
     # --standalone: a free local port per run, so concurrent benches and tests never collide.
@@ -177,11 +124,11 @@ def run_side(side: str, seed: int, out: Path, targets: Sequence[float], consecut
         raise FileExistsError(f"{run_dir}: exists; give a fresh --out (run folders are never reused)")
     load_before = os.getloadavg()[0]
     if side == "baseline":
-        seconds = launch(baseline_cmd(BASELINE_CONFIG, run_dir, seed, overrides), run_dir)
+        seconds = common.run_logged(baseline_cmd(BASELINE_CONFIG, run_dir, seed, overrides), run_dir)
     else:
         with tempfile.TemporaryDirectory(prefix="tta-cache-") as disk, \
                 tempfile.TemporaryDirectory(prefix="tta-l2-", dir=RAM_DIR) as ram:
-            seconds = launch(recipe_cmd(RECIPE_CONFIG, run_dir, Path(disk), Path(ram), seed,
+            seconds = common.run_logged(recipe_cmd(RECIPE_CONFIG, run_dir, Path(disk), Path(ram), seed,
                                         [*recipe_overrides, *overrides]), run_dir)
     r = read_run(side, seed, run_dir, seconds, load_before, os.getloadavg()[0])
     print(f"  {side} seed {seed}: {times_text(r, targets, consecutive)}; final top-1 {100 * r.final_top1:.2f}%, "

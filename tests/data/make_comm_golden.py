@@ -20,10 +20,10 @@ CommConfig, comm.plan, comm.residuals, state_dict/load_state_dict, trainer.testi
 nothing from tests/, and the test imports nothing from here: they share only the JSON.
 
 Regenerate (the committed JSON came from the parent of bb95bc1, ce895c3, the code before the refactor):
-    git -C /work/main worktree add /tmp/old_comm bb95bc1^
-    cd /tmp/old_comm && PYTHONPATH=/tmp/old_comm /work/main/.venv/bin/python \
-        /work/main/tests/data/make_comm_golden.py --out /work/main/tests/data/comm_golden.json
-Against the current code (cd /work/main; no PYTHONPATH) it must write the same JSON but for `source`.
+    git worktree add ../old_comm bb95bc1^
+    cd ../old_comm && PYTHONPATH=. ../main/.venv/bin/python ../main/tests/data/make_comm_golden.py \
+        --out ../main/tests/data/comm_golden.json   (from a checkout named main)
+Against the current code (from the checkout itself, no PYTHONPATH) it must write the same JSON but for `source`.
 """
 
 from __future__ import annotations

@@ -1,41 +1,12 @@
 """Sparse gradient exchange with error feedback: flat top-k and the paper's hierarchical top-k (HiTopKComm),
 the kinds topk and hitopk of the plan executor (`TopKExecution`, run by trainer/comm/execute.py), its
-selection and payload primitives, and the fixed communicators of `comm.kind: topk|hitopk`. docs/communicators.md.
+selection and payload primitives, and the fixed communicators of `comm.kind: topk|hitopk`.
 
-One algorithm covers both. Ranks form "nodes" (`intra`, fast links) and each rank talks to the ranks with
-the same local rank on the other nodes (`inter`, the slow network). Per bucket of n gradient elements:
-
-1. dense reduce-scatter inside the node: this rank gets the node's sum of its 1/L shard (L ranks per node;
-   the bucket is zero-padded to a multiple of L, so no bucket is left out for its size);
-2. error feedback: add this rank's residual for the shard, then MSTopK picks k = ceil(density * n / L);
-   what is not picked stays in the residual for the next step;
-3. allgather of the k (value, index) pairs among the N nodes' ranks of this local rank, scatter-added;
-4. allgather of the shards inside the node, divided by the world size: the averaged dense gradient.
-
-`flat_topk` (`comm.kind: topk`) is the flat case: every rank is its own node (L = 1, N = W), so steps 1
-and 4 vanish and every rank exchanges its own top-k with everyone. `hierarchical_topk` (`comm.kind: hitopk`)
-uses the real node layout; on a single node it is a dense reduce-scatter + allgather (there is no slow link
-to save), on 1-rank nodes it equals `topk`.
-
-Values and int32 indices travel in one fp32 payload (indices bit-cast), one collective per stage.
-Buckets below `dense_below` elements, and every bucket during the first `dense_warmup_steps` steps, are
-averaged by a dense allreduce instead (selection costs more than it saves on small tensors).
-
-Residuals are kept in unscaled units. Gradients arrive multiplied by the loss scale S of their step
-(`set_grad_scale`, a 0-d tensor on the device, read without a host sync); step 2 adds S * residual and the
-unsent remainder is stored divided by S, so a scale change between steps (the scaler halving after an
-overflow, doubling after its growth interval) never re-weights old residuals. S is a power of two, so both
-products are exact unless a value overflows or falls below fp32's normal range (|x| < 2^-126 S).
-
-Each bucket keeps two residual buffers (the executor's `accumulate` and `keep_residual`): a step writes the
-new residual into the spare one and swaps them. `rollback()` swaps back every bucket this step updated, so a step the loss scaler skips leaves every
-residual exactly as it was before the step, on every rank. Non-finite gradients cannot be selected from:
-that rank sends NaN values, so every rank sees a non-finite gradient and skips the same step.
-
-The scatter-add of the gathered pairs is order-deterministic on every device: each rank's payload holds
-distinct indices, and the payloads are added one after the other in rank order, so no two additions race
-for one element (on CUDA a single `index_add_` over all payloads would sum colliding indices with atomics,
-in a different order on each node, and the replicas would drift apart).
+One algorithm covers both: per bucket, a dense reduce-scatter inside the node, residual + MSTopK on this rank's
+1/L shard, an allgather of the (value, index) pairs among the ranks with the same local rank on the other nodes,
+and an allgather inside the node; `topk` is the case of 1-rank nodes. Residuals are kept unscaled (loss scale),
+double-buffered so that `rollback()` undoes a skipped step, and the gathered pairs are added in rank order
+(deterministic on every device). docs/communicators.md describes each step and why.
 """
 
 from __future__ import annotations
