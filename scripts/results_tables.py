@@ -236,8 +236,19 @@ def quickstart(r: dict[str, Any]) -> list[str]:
                    rows)]
 
 
-def ratio_or_none(value: float | None) -> str:
-    return "not reached" if value is None else f"{value:.3f}"
+def paired(ratio: float | None) -> str:
+    """A paired ratio (or their median); None: no seed where both sides reached the target."""
+    return "none both reached" if ratio is None else f"{ratio:.3f}"
+
+
+def tta_headline(r: dict[str, Any]) -> str:
+    """The README's cell: per headline target the median ratio, the seeds in it, and each side's misses."""
+    def one(t: str) -> str:
+        e = r["targets"][t]
+        missed = [f"{side} missed {len(e['missed'][side])}" for side in ("baseline", "recipe") if e["missed"][side]]
+        return (f"{paired(e['ratio'])} at {100 * float(t):g}% ({e['seeds_in_median']} of {len(e['seeds'])} seeds"
+                + "".join(f"; {m}" for m in missed) + ")")
+    return "; ".join(one(t) for t in r["headline"])
 
 
 def tta(r: dict[str, Any]) -> list[str]:
@@ -252,13 +263,14 @@ def tta(r: dict[str, Any]) -> list[str]:
     targets, headline = r["targets"], r["headline"]
     rows = [[f"{100 * float(t):g}%{' (headline)' if t in headline else ''}",
              f"{e['seeds_in_median']} of {len(e['seeds'])}",
-             f"**{ratio_or_none(e['ratio'])}**" if t in headline else ratio_or_none(e["ratio"]),
-             " to ".join(ratio_or_none(x) for x in e["interval"]), " to ".join(ratio_or_none(x) for x in e["range"]),
+             f"**{paired(e['ratio'])}**" if t in headline else paired(e["ratio"]),
+             "-" if e["interval"][0] is None else " to ".join(f"{x:.3f}" for x in e["interval"]),
+             "-" if e["range"][0] is None else " to ".join(f"{x:.3f}" for x in e["range"]),
              missed(e["missed"]["baseline"]), missed(e["missed"]["recipe"])] for t, e in targets.items()]
     seeds = targets[headline[0]]["seeds"]
     per_seed = [[seed, *[cell for t in headline for cell in (
         seconds(targets[t]["baseline_s"][i], targets[t]["baseline_epochs"][i]),
-        seconds(targets[t]["recipe_s"][i], targets[t]["recipe_epochs"][i]), ratio_or_none(targets[t]["ratios"][i]))]]
+        seconds(targets[t]["recipe_s"][i], targets[t]["recipe_epochs"][i]), paired(targets[t]["ratios"][i]))]]
         for i, seed in enumerate(seeds)]
     acc = r.get("accuracy")
 
@@ -304,9 +316,12 @@ def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive
                      f"{100 * run['top1'][-1]:.1f}% after {run['epochs_run']}",
                      *["missed" if i is None else f"{run['elapsed_s'][i]:.1f} (epoch {i + 1})" for i in at],
                      f"{run['load_before']:.1f} → {run['load_after']:.1f}"])
-    counts = "; ".join(f"{side}: {sum(r['side'] == side for r in runs)} runs, "
-                       f"{sum(r['side'] == side and r['load_before'] < QUIET_LOAD for r in runs)} of them alone"
-                       for side in sorted({r["side"] for r in runs}))
+    tuning = [r for r in runs if ablation_kind(r) is None]
+    counts = "; ".join(f"{side}: {sum(r['side'] == side for r in tuning)} runs, "
+                       f"{sum(r['side'] == side and r['load_before'] < QUIET_LOAD for r in tuning)} of them alone"
+                       for side in sorted({r["side"] for r in tuning}))
+    if len(tuning) < len(runs):
+        counts += f" (and {len(runs) - len(tuning)} ablation runs of the recipe, listed too, not counted)"
     return [*table(["date (UTC)", "commit", "side", "overrides", "seed", "last top-1",
                     *[f"s to {100 * t:g}% x {consecutive}" for t in targets], "load (1 min)"], rows), "",
             f"From [`docs/results/tta_tuning.json`](results/tta_tuning.json), appended by `python -m scripts.bench.tta "
@@ -315,31 +330,41 @@ def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive
             "their curves are. Without overrides a run is the side's config at that commit."]
 
 
+def ablation_kind(run: dict[str, Any]) -> str | None:
+    """The exchange of a recipe run to the end that changed nothing but comm.kind ('auto (the config)' for no
+    change): an ablation run, not a tuning one; None for any other run."""
+    kinds = [o.partition("=")[2] for o in run["overrides"] if o.startswith("comm.kind=")]
+    if run["side"] != "recipe" or "final_top1" not in run or len(kinds) != len(run["overrides"]) or len(kinds) > 1:
+        return None
+    return kinds[0] if kinds else "auto (the config)"
+
+
 def tta_ablation(runs: list[dict[str, Any]]) -> list[str]:
-    """The recipe's tuning runs that ran to the end and changed nothing but comm.kind (none: the config's auto),
-    grouped by exchange: their seeds and final and best top-1."""
-    groups: dict[str, list[dict[str, Any]]] = {}
+    """The recipe's ablation runs (`ablation_kind`), grouped by machine and exchange: their seeds, commits and
+    final and best top-1."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for run in runs:
-        kinds = [o.partition("=")[2] for o in run["overrides"] if o.startswith("comm.kind=")]
-        if run["side"] == "recipe" and "final_top1" in run and len(kinds) == len(run["overrides"]) <= 1:
-            groups.setdefault(kinds[0] if kinds else "auto (the config)", []).append(run)
+        if (kind := ablation_kind(run)) is not None:
+            groups.setdefault((run.get("cpu", "?"), kind), []).append(run)
     if not groups:
         return ["_No ablation run yet: `python -m scripts.bench.tta --tune recipe --set comm.kind=KIND --tuning-seeds "
                 "0 1 2` runs one._"]
-    rows = [[f"`{kind}`", ", ".join(str(r["seed"]) for r in group),
-             f"`{', '.join(sorted({r['commit'][:7] for r in group}))}`",
-             f"{100 * statistics.mean(r['final_top1'] for r in group):.1f}% "
-             f"({100 * min(r['final_top1'] for r in group):.1f}-{100 * max(r['final_top1'] for r in group):.1f})",
-             f"{100 * statistics.mean(r['best_top1'] for r in group):.1f}%"] for kind, group in sorted(groups.items())]
-    return table(["comm.kind", "tuning seeds", "commit", "final top-1, mean (range)", "best top-1, mean"], rows)
+
+    def pct(values: list[float]) -> str:
+        return f"{100 * statistics.mean(values):.2f}% ({100 * min(values):.2f}-{100 * max(values):.2f})"
+    rows = [[cpu, f"`{kind}`", ", ".join(str(r["seed"]) for r in group),
+             ", ".join(f"`{c}`" for c in sorted({r["commit"][:7] + ("+dirty" if r["commit"].endswith("+dirty") else "")
+                                               for r in group})),
+             pct([r["final_top1"] for r in group]), pct([r["best_top1"] for r in group])]
+            for (cpu, kind), group in sorted(groups.items())]
+    return table(["machine", "comm.kind", "tuning seeds", "commit", "final top-1, mean (range)",
+                  "best top-1, mean (range)"], rows)
 
 
 SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
-    "tta": ("time to accuracy, recipe / torchvision-reference baseline (each tuned with as many runs), fresh seeds, "
+    "tta": ("time to accuracy, recipe / torchvision-reference baseline (each tuned on tuning seeds), fresh seeds, "
             "median paired ratio",
-            lambda r: "; ".join(f"{ratio_or_none(r['targets'][t]['ratio'])} at {100 * float(t):g}% "
-                                f"({r['targets'][t]['seeds_in_median']} of {len(r['targets'][t]['seeds'])} seeds)"
-                                for t in r["headline"])),
+            tta_headline),
     "topk": ("MSTopK speed-up over torch.topk, gradients of a real training step, k = 0.1%, equal threads",
              lambda r: f"{r['arch']}: {times(r['ratio_1thread'])} (1 thread), {times(r['ratio_2threads'])} (2), "
                        f"recall {r['recall_real_gradients']:.4f}"),

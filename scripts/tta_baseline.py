@@ -21,7 +21,8 @@ one in configs/tta_baseline_cpu.yaml.
 replaces the defaults; options given on the command line win. The bench's frozen baseline is such a file.
 
 Differences from the reference, each to make the comparison with the recipe fair: `--hflip-prob` and
-`--min-scale` (the reference hard-codes 0.5 and 0.08) so both sides augment alike; validation shards without
+`--min-scale` (the reference hard-codes 0.5 and 0.08) so both sides augment alike; with `--model-ema` only the
+average is evaluated (the reference evaluates the model and the average every epoch); validation shards without
 padding (the reference's DistributedSampler repeats images); no checkpoints (neither side writes any in the
 benchmark); and `--target-top1` with `--target-consecutive N`: the clock stops at the N-th evaluation in a row at
 or above the target (and the run with it, unless `--no-stop-at-target`).
@@ -76,6 +77,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="weight decay of normalization layers' parameters (default: --wd)")
     p.add_argument("--label-smoothing", type=float, default=0.0)
     p.add_argument("--lr-scheduler", choices=["cosineannealinglr", "steplr"], default="cosineannealinglr")
+    p.add_argument("--lr-min", type=float, default=0.0, help="cosineannealinglr: the rate it ends at")
     p.add_argument("--lr-warmup-epochs", type=int, default=0, help="linear warm-up epochs (0 = none)")
     p.add_argument("--lr-warmup-decay", type=float, default=0.01, help="warm-up starts at lr x this")
     p.add_argument("--lr-step-size", type=int, default=30, help="steplr: decay every this many epochs")
@@ -184,7 +186,7 @@ def build_scheduler(opt: torch.optim.Optimizer, args: argparse.Namespace) -> tor
     """The reference's per-epoch schedule: linear warm-up, then cosine annealing to 0 or step decay."""
     main_epochs = args.epochs - args.lr_warmup_epochs
     if args.lr_scheduler == "cosineannealinglr":
-        main = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, main_epochs))
+        main = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, main_epochs), eta_min=args.lr_min)
     else:
         main = torch.optim.lr_scheduler.StepLR(opt, step_size=args.lr_step_size, gamma=args.lr_gamma)
     if args.lr_warmup_epochs == 0:

@@ -164,9 +164,16 @@ def test_task_images(photos):
             assert img.format == "PNG" and img.size == (VAL_SIDE, VAL_SIDE) and img.mode == "RGB"
 
 
-def test_both_sides_evaluate_the_same_pixels(photos, tmp_path):
+KNOBS = {"off": ([], []),
+         "on": (["train.ema_decay=0.9", "train.eval_flip=true", "schedule.final_lr=0.01"],
+                ["--model-ema", "--model-ema-steps=1", "--lr-min=0.001"])}
+
+
+@pytest.mark.parametrize("knobs", sorted(KNOBS))
+def test_both_sides_evaluate_the_same_pixels(photos, tmp_path, knobs):
     """The recipe's validation batches (DALI, through the cache, at the frozen config's sizes) equal the
-    baseline's (PIL + torchvision transforms) image by image."""
+    baseline's (PIL + torchvision transforms) image by image, with the evaluation and schedule knobs off and on
+    (the recipe's test-time flip then also scores the mirror of these same pixels)."""
     pytest.importorskip("nvidia.dali")
     from data.dali_loader import DaliImageData
     from recipes.resnet50 import Config
@@ -174,8 +181,10 @@ def test_both_sides_evaluate_the_same_pixels(photos, tmp_path):
 
     # the frozen config as the bench runs it (its sizes, normalization, layout, dtype, cache levels), with the
     # bench's own folders
+    recipe_knobs, baseline_knobs = KNOBS[knobs]
     recipe = load_config(Config, str(ROOT / tta.RECIPE_CONFIG),
-                         [f"data.root={photos}", f"data.cache.dir={tmp_path / 'cache'}", "data.cache.ram=false"])
+                         [f"data.root={photos}", f"data.cache.dir={tmp_path / 'cache'}", "data.cache.ram=false",
+                          *recipe_knobs])
     # one evaluation size in every phase, above the low-res level's: validation decodes the PNGs themselves
     assert len({p.val_image_size for p in recipe.schedule.phases}) == 1
     assert recipe.schedule.phases[0].val_image_size > recipe.data.cache.lowres_max_image_size
@@ -183,7 +192,9 @@ def test_both_sides_evaluate_the_same_pixels(photos, tmp_path):
     data = DaliImageData(recipe.data, rank=0, world_size=1, seed=0)
     batches = list(data.val_loader(val_size, 5))
     dali, dali_labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-    args = tta_baseline.parse_args(["--config", tta.BASELINE_CONFIG, f"--data-path={photos}", "--workers=0"])
+    args = tta_baseline.parse_args(["--config", tta.BASELINE_CONFIG, f"--data-path={photos}", "--workers=0",
+                                    *baseline_knobs])
+    assert bool(recipe.train.eval_flip) == args.model_ema == (knobs == "on")  # the knobs did apply
     _, val_loader, classes = tta_baseline.load_data(args, rank=0, world=1)
     base, base_labels = torch.cat([b[0] for b in val_loader]), torch.cat([b[1] for b in val_loader])
     assert classes == 4 and dali.shape == base.shape == (12, 3, val_size, val_size)
@@ -237,7 +248,7 @@ def test_bench_reads_baseline_run_folders(baseline_runs):
 
 def test_the_baselines_ema_is_the_references_average():
     """--model-ema: decay 1 - (1 - d) x world x batch x steps / epochs (the reference's adjustment), the first
-    update copying the weights, and the warm-up resetting it to them."""
+    update copying the weights, BatchNorm's statistics averaged too."""
     model = torch.nn.Sequential(torch.nn.Linear(2, 1), torch.nn.BatchNorm1d(1))
     args = tta_baseline.parse_args(["--model-ema", "--model-ema-decay=0.999", "--model-ema-steps=2", "--epochs=8",
                                     "--batch-size=4"])
@@ -248,12 +259,31 @@ def test_the_baselines_ema_is_the_references_average():
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
+        model[1].running_mean.fill_(2.0)
     ema.update_parameters(model)
     for got, w0, w1 in zip(ema.module.parameters(), first, model.parameters()):
         assert torch.allclose(got, decay * w0 + (1 - decay) * w1)
-    assert torch.equal(ema.module[1].running_mean, model[1].running_mean)  # buffers follow (use_buffers)
+    assert torch.allclose(ema.module[1].running_mean, torch.tensor([(1 - decay) * 2.0]))  # use_buffers: averaged
     with pytest.raises(SystemExit):
         tta_baseline.parse_args(["--model-ema-decay=1.0"])
+
+
+@pytest.mark.parametrize("warming_up", [False, True])
+def test_the_baselines_ema_updates_every_n_steps_and_copies_the_weights_during_warm_up(warming_up):
+    """The reference's cadence (`i % model_ema_steps == 0`: steps 0 and 2 of 3) and, during the lr warm-up, its
+    reset after each update: the average is then the weights of the last updating step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    args = tta_baseline.parse_args(["--model-ema", "--model-ema-decay=0.9", "--model-ema-steps=2", "--epochs=1",
+                                    "--batch-size=1"])
+    ema = tta_baseline.build_ema(model, args, world=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = [(torch.randn(2, 4), torch.tensor([0, 2])) for _ in range(3)]
+    tta_baseline.train_one_epoch(model, torch.nn.CrossEntropyLoss(), opt, loader, torch.contiguous_format, ema,
+                                 args.model_ema_steps, warming_up)
+    assert int(ema.n_averaged) == (0 if warming_up else 2)
+    same = all(torch.equal(a, b) for a, b in zip(ema.module.parameters(), model.parameters()))
+    assert same == warming_up  # the last step (index 2) updated it: a copy when warming up, an average if not
 
 
 def test_norm_weight_decay_splits_batchnorm_parameters():
@@ -474,7 +504,7 @@ def test_result_line_carries_both_configs(tmp_path, monkeypatch, capsys):
         runs.append(r)
     line = tta.finish(runs, tmp_path, [0.9], 2, "fp32", 1)
     capsys.readouterr()
-    assert json.loads(json.dumps(line)) == line  # as printed and written: plain JSON
+    assert json.loads(json.dumps(line, allow_nan=False)) == line  # as printed and written: plain JSON
     # the asked target and the headline ones, read from the same runs; the verdict is the first headline's
     assert set(line["targets"]) == {"0.9", *(f"{t:g}" for t in tta.HEADLINE)}
     assert line["targets"]["0.9"]["ratio"] == 0.4 and line["ratio"] == line["targets"][f"{tta.HEADLINE[0]:g}"]["ratio"]

@@ -89,7 +89,7 @@ def write_result(result: Mapping[str, Any]) -> Path | None:
               "result": dict(result)}
     path = Path(folder) / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    path.write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
     return path
 
 

@@ -63,8 +63,8 @@ from trainer.tta_stats import (HEADLINE, SIDES, TARGET_CONSECUTIVE, TARGETS, Run
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDE_COLORS = {"baseline": "tab:blue", "recipe": "tab:orange"}
-BASELINE = ("torchvision reference recipe (ImageFolder + DataLoader, fixed size, SGD + cosine, DDP dense), tuned with "
-            "as many runs")
+BASELINE = ("torchvision reference recipe (ImageFolder + DataLoader, fixed size, SGD + cosine, DDP dense), tuned on "
+            "tuning seeds")
 DATA = Path("datasets/tta_photos")  # written by scripts/make_tta_photos.py if missing
 RECIPE_CONFIG = "configs/tta_recipe_cpu.yaml"
 BASELINE_CONFIG = "configs/tta_baseline_cpu.yaml"
@@ -191,14 +191,16 @@ def warm_page_cache(root: Path) -> int:
 
 
 def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], targets: Sequence[float],
-                  consecutive: int, precision: str, path: Path = TUNING_FILE) -> Path:
+                  consecutive: int, precision: str, path: Path = TUNING_FILE, commit: str | None = None) -> Path:
     """Append tuning runs to the tuning history (a JSON list), with the date, machine, commit, the side's config
-    file as it was (the overrides apply on top of it), the recipe's precision, each run's curve and its time to
-    every target."""
+    file as it was (the overrides apply on top of it), the recipe's precision, each run's curve, its time to
+    every target and its measured choices. `commit`: the one the runs ran at (default: now; the history file
+    itself is a tracked file, so a second append would read as +dirty)."""
     history = json.loads(path.read_text()) if path.is_file() else []
     config = configs()[f"{side}_config"]
     for r in records:
-        history.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": common.commit(),
+        history.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "commit": commit or common.commit(), "choices": r.choices.get("choice"),
                         "cpu": common.machine()["cpu"], "side": side, "overrides": list(overrides), "seed": r.seed,
                         "target_consecutive": consecutive,
                         "time_to_s": {f"{t:g}": r.time_to(t, consecutive) for t in targets},
@@ -267,9 +269,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         runs, consecutive = load_runs(args.from_runs)
         return finish(runs, args.from_runs, args.targets, consecutive, precision, seeds)
     if args.tune is not None:
+        commit = common.commit()  # before the runs: the history file they append to is tracked
         runs = [run_side(args.tune, seed, out, args.targets, args.consecutive, args.set, precision_overrides)
                 for seed in args.tuning_seeds]
-        path = append_tuning(runs, args.tune, args.set, args.targets, args.consecutive, precision)
+        path = append_tuning(runs, args.tune, args.set, args.targets, args.consecutive, precision, commit=commit)
         line = {"bench": "tta-tuning", "side": args.tune, "overrides": args.set, "seeds": args.tuning_seeds,
                 "time_to_s": [{f"{t:g}": r.time_to(t, args.consecutive) for t in args.targets} for r in runs],
                 "final_top1": [r.final_top1 for r in runs], "history": str(path)}
