@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.checkpoint import latest_checkpoint
 from trainer.classification import ClassificationTask, ClassificationTrainConfig, flip_averaged_log_probs
 from trainer.comm import LocalCommunicator
 from trainer.config import ConfigError
@@ -172,18 +171,12 @@ def test_the_knobs_are_off_by_default():
 
 @pytest.mark.e2e
 def test_resume_with_the_average_is_bitwise_and_export_takes_it(tmp_path, digits_root):
-    from recipes.resnet50 import main
     from trainer.export import main as export
-    from tests.test_trainer import TINY, phases
+    from tests.test_trainer import TINY, straight_and_resumed
     common = ["--config", "configs/quickstart_cpu.yaml", f"data.root={digits_root}", "train.max_steps_per_epoch=4",
               "train.target_top1=0", "train.deterministic=true", "train.ema_decay=0.9", "train.ema_every_steps=3",
               "train.eval_flip=true", *TINY]
-    main([*common, f"log.dir={tmp_path / 'straight'}", "train.epochs=3", phases(3)])
-    main([*common, f"log.dir={tmp_path / 'split'}", "train.epochs=2", phases(2)])
-    main([*common, f"log.dir={tmp_path / 'split'}", "train.epochs=3", phases(3), "--resume"])
-    straight, _ = latest_checkpoint(tmp_path / "straight")
-    split, _ = latest_checkpoint(tmp_path / "split")
-    assert straight["trainer"]["step"] == split["trainer"]["step"] == 12
+    straight, split = straight_and_resumed(common, tmp_path)
     ema = straight["task"]["ema"]
     assert int(ema["n_averaged"]) == 4  # steps 3, 6, 9, 12 (the resume continues at step 9)
     for name, value in [*straight["model"].items(), *ema.items()]:

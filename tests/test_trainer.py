@@ -92,15 +92,21 @@ def test_two_rank_recipe_run_writes_all_outputs(tmp_path, digits_root):
     assert summary["world_size"] == 2 and summary["steps"] == 6
 
 
-def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, digits_root):
-    common = ["--config", "configs/quickstart_cpu.yaml", f"data.root={digits_root}", "train.max_steps_per_epoch=4",
-              "train.target_top1=0", *TINY]
+def straight_and_resumed(common: list[str], tmp_path) -> tuple[dict, dict]:
+    """The last checkpoints of a 3-epoch run and of the same run stopped after 2 epochs and resumed (12 steps)."""
     main([*common, f"log.dir={tmp_path / 'straight'}", "train.epochs=3", phases(3)])
     main([*common, f"log.dir={tmp_path / 'split'}", "train.epochs=2", phases(2)])
     main([*common, f"log.dir={tmp_path / 'split'}", "train.epochs=3", phases(3), "--resume"])
     straight, _ = latest_checkpoint(tmp_path / "straight")
     split, _ = latest_checkpoint(tmp_path / "split")
     assert straight["trainer"]["step"] == split["trainer"]["step"] == 12
+    return straight, split
+
+
+def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path, digits_root):
+    common = ["--config", "configs/quickstart_cpu.yaml", f"data.root={digits_root}", "train.max_steps_per_epoch=4",
+              "train.target_top1=0", *TINY]
+    straight, split = straight_and_resumed(common, tmp_path)
     for name, value in straight["model"].items():
         assert torch.equal(value, split["model"][name]), name
 
