@@ -15,6 +15,7 @@ measuring run's start-up seconds / its training wall seconds.
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,7 +55,8 @@ def train(name: str, recipe: tuple, out: Path, cache: Path) -> dict[str, Any]:
 
 def fresh_clone(out: Path) -> dict[str, Any]:
     """`make quickstart` in a fresh clone of HEAD under `out` (created), timed whole (venv, data, training,
-    report), and its venv set-up (`make setup`, which `make quickstart` runs first) on its own."""
+    report), and its venv set-up (`make setup`, which `make quickstart` runs first) on its own. The clone's venv
+    and data are removed once read (several GB each); its run folder and log stay."""
     out.mkdir(parents=True)
     clone = out / "clone"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
@@ -74,6 +76,8 @@ def fresh_clone(out: Path) -> dict[str, Any]:
     run = clone / "runs" / "quickstart"
     summary = json.loads((run / "summary.json").read_text())
     startup = float(((read_run_record(run) or {}).get("choices") or {}).get("seconds", 0.0))
+    for bulky in (".venv", "datasets"):
+        shutil.rmtree(clone / bulky, ignore_errors=True)
     print(f"  make quickstart, fresh clone: {wall:.1f} s (of which make setup {setup:.1f} s), start-up "
           f"{startup:.1f} s ({startup / wall:.1%}); top-1 {summary.get('final_top1')}", flush=True)
     return {"wall_s": round(wall, 1), "setup_s": round(setup, 1), "elapsed_s": round(summary["elapsed_s"], 1),
