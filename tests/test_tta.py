@@ -126,6 +126,15 @@ def test_accuracy_gives_each_sides_final_and_best_top1():
     assert acc["recipe"]["best_top1"] == [0.95, 0.95] and acc["recipe"]["mean_final_top1"] == 0.91
 
 
+def test_each_machine_gets_its_own_results_file():
+    name = tta.result_name
+    assert name({"cpu": "Intel(R) Xeon(R) Processor", "cpu_flags": ["avx2", "avx512f", "avx512_bf16"]}) == \
+        "tta-intel-xeon-processor-avx512bf16"
+    assert name({"cpu": "AMD EPYC", "cpu_flags": ["avx2"]}) == "tta-amd-epyc-avx2"
+    assert name({"cpu": "AMD EPYC 9654 96-Core", "cpu_flags": ["avx2", "avx512f"]}) == "tta-amd-epyc-9654-96-core-avx512f"
+    assert name({"cpu": "Apple M2", "cpu_flags": []}) == "tta-apple-m2"
+
+
 def test_compare_needs_both_sides_of_every_seed():
     with pytest.raises(ValueError, match=r"incomplete: \[101\]"):
         compare([run("baseline", 100, 1.0), run("recipe", 100, 1.0), run("baseline", 101, 1.0)], 0.9, 2)
