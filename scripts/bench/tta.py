@@ -112,8 +112,8 @@ def recipe_precision() -> tuple[str, list[str]]:
 
 def times_text(r: Run, targets: Sequence[float], consecutive: int) -> str:
     """'70%: 95.1 s, 75%: missed' for a run."""
-    return ", ".join(f"{100 * t:g}%: " + ("missed" if r.time_to(t, consecutive) is None else
-                                         f"{r.time_to(t, consecutive):.1f} s") for t in targets)
+    times = {t: r.time_to(t, consecutive) for t in targets}
+    return ", ".join(f"{100 * t:g}%: " + ("missed" if s is None else f"{s:.1f} s") for t, s in times.items())
 
 
 def run_side(side: str, seed: int, out: Path, targets: Sequence[float], consecutive: int, overrides: Sequence[str],
@@ -160,15 +160,14 @@ def load_runs(out: Path) -> tuple[list[Run], int]:
 # ---------------------------------------------------------------- the comparison
 
 def report(runs: Sequence[Run], targets: dict[str, dict[str, Any]], consecutive: int) -> None:
-    """The per-seed table (seconds to each target, final top-1) and a verdict line per target."""
+    """The per-seed table (seconds to each target, from the comparison; final top-1) and a verdict line per
+    target."""
     by = {(r.side, r.seed): r for r in runs}
-    seeds = sorted({r.seed for r in runs})
     rows = []
-    for seed in seeds:
+    for i, seed in enumerate(next(iter(targets.values()))["seeds"]):
         b, r = by[("baseline", seed)], by[("recipe", seed)]
         first = "baseline" if runs.index(b) < runs.index(r) else "recipe"
-        cells = [f"{'-' if x.time_to(float(t), consecutive) is None else x.time_to(float(t), consecutive)}"
-                 for t in targets for x in (b, r)]
+        cells = ["-" if (s := res[f"{side}_s"][i]) is None else str(s) for res in targets.values() for side in SIDES]
         rows.append([seed, first, *cells, f"{100 * b.final_top1:.1f} / {100 * r.final_top1:.1f}"])
     print_table(["seed", "first", *[f"{100 * float(t):g}% {side[0]}" for t in targets for side in SIDES],
                  "final top-1 b / r"], rows)
