@@ -53,8 +53,10 @@ def small_map_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stri
     if oh * ow == 1 and hh == 1 and ww == 1:
         out = F.linear(x[:, :, 0, 0], weight[:, :, ph, pw], bias)
         return out.view(n, o, 1, 1)
-    cols = F.unfold(x, (kh, kw), padding=(ph, pw), stride=(sh, sw)).transpose(1, 2)  # [n, positions, c*kh*kw]
-    out = F.linear(cols, weight.reshape(o, -1), bias)  # [n, positions, o]
+    # One 2-D GEMM over every image's positions: a 3-D input would leave the choice to matmul, which takes a
+    # slow batched GEMM when the weight does not require grad (a frozen copy, such as the weights' average).
+    cols = F.unfold(x, (kh, kw), padding=(ph, pw), stride=(sh, sw)).transpose(1, 2).reshape(n * oh * ow, -1)
+    out = F.linear(cols, weight.reshape(o, -1), bias)  # [n x positions, o]
     return out.view(n, oh, ow, o).permute(0, 3, 1, 2).contiguous(memory_format=_memory_format(x))
 
 

@@ -108,3 +108,28 @@ def test_resnet18_switch_keeps_parameters_and_matches_at_32_and_64_px():
             # Training-mode BatchNorm over 16 values per channel amplifies rounding: compare as vectors.
             assert float((q.grad - p.grad).norm() / p.grad.norm()) < 1e-3, name
     assert use_gemm_for_small_maps(fast) == 0  # already switched
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_the_gemm_is_one_2d_matrix_product_with_or_without_weight_gradients(requires_grad):
+    """Frozen weights (the weights' moving average, an exported model) take the same one 2-D GEMM as trained
+    ones, never a batched matmul (a 3-D input leaves that choice to matmul, whose batched path runs many times
+    slower on the CPU), and give the same result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 8, 3, 3), torch.randn(6, 8, 3, 3, requires_grad=requires_grad), torch.randn(6)
+    with torch.no_grad(), Ops() as ops:
+        got = small_map_conv2d(x, w, b, (2, 2), (1, 1))  # 2x2 output: the unfold + GEMM path
+    assert not any(name.startswith("bmm") for name in ops.names), ops.names
+    assert sum(name.startswith(("addmm", "mm")) for name in ops.names) == 1, ops.names
+    torch.testing.assert_close(got, F.conv2d(x, w.detach(), b, 2, 1), rtol=1e-5, atol=1e-5)
