@@ -339,6 +339,17 @@ def test_baseline_config_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         tta_baseline.parse_args(["--config", str(bad)])
     assert "unknown option(s) warmup" in capsys.readouterr().err
+    # base: the other file's options first, this file's over them, the command line over both
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "child.yaml").write_text("base: ../parent.yaml\nlr: 0.2\n")
+    (tmp_path / "parent.yaml").write_text("lr: 0.1\nepochs: 3\nbase: grand.yaml\n")
+    (tmp_path / "grand.yaml").write_text("epochs: 5\nbatch-size: 7\n")
+    args = tta_baseline.parse_args(["--config", str(tmp_path / "sub" / "child.yaml"), "--batch-size=9"])
+    assert (args.lr, args.epochs, args.batch_size) == (0.2, 3, 9)
+    (tmp_path / "grand.yaml").write_text("base: sub/child.yaml\n")
+    with pytest.raises(SystemExit):
+        tta_baseline.parse_args(["--config", str(tmp_path / "sub" / "child.yaml")])
+    assert "base files form a cycle" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the plot (trainer/tta_plot.py) on real run folders
@@ -483,7 +494,8 @@ def test_tuning_history_is_data(tmp_path):
     assert [(h["seed"], h["time_to_s"], h["overrides"]) for h in history] == [
         (0, {"0.6": 50.0, "0.9": 50.0}, ["lr=0.1"]), (1, {"0.6": 100.0, "0.9": None}, ["optim.lr=0.1"])]
     # the config file the overrides applied to, as it was, and the precision each side trained in
-    assert history[0]["config"]["file"] == tta.BASELINE_CONFIG and history[0]["precision"] == "fp32"
+    assert history[0]["config"]["file"] == tta.config_for("baseline", tta.HEADLINE[0])
+    assert history[0]["precision"] == "fp32"
     assert history[1]["config"] == tta.config_record(tta.RECIPE_CONFIG) and history[1]["precision"] == "bf16"
 
 
@@ -493,18 +505,20 @@ def test_frozen_configs_compare_like_with_like():
     from recipes.resnet50 import Config
     from trainer.config import load_config
 
-    cfg = load_config(Config, tta.RECIPE_CONFIG)
-    base = yaml.safe_load((ROOT / tta.BASELINE_CONFIG).read_text())
-    assert cfg.data.root == base["data-path"] == str(tta.DATA) and cfg.model.arch == base["model"]
-    assert {p.batch_size for p in cfg.schedule.phases} == {2 * base["batch-size"]}  # 2 ranks
-    assert cfg.data.min_scale == base["min-scale"] and cfg.data.hflip == (base["hflip-prob"] == 0.5)
-    assert cfg.data.workers == base["workers"]
-    # Validation: the same size at every phase, the same resize, never from the recipe's low-res copies.
-    assert {p.val_image_size for p in cfg.schedule.phases} == {base["val-crop-size"]}
-    assert round(base["val-crop-size"] * cfg.data.val_resize_ratio) == base["val-resize-size"] == VAL_SIDE
-    assert cfg.data.cache.lowres_max_image_size < base["val-crop-size"]
-    assert not 0 < cfg.data.rect_val_from_size <= base["val-crop-size"]  # square crops, as the baseline's
-    assert cfg.schedule.phases[-1].end_epoch == cfg.train.epochs
+    pairs = [(load_config(Config, str(ROOT / r)), tta_baseline.parse_args(["--config", str(ROOT / b)]))
+             for r in tta.side_configs("recipe") for b in tta.side_configs("baseline")]
+    assert len(pairs) == len(tta.side_configs("recipe")) * len(tta.side_configs("baseline")) >= 1
+    for cfg, base in pairs:
+        assert cfg.data.root == str(base.data_path) == str(tta.DATA) and cfg.model.arch == base.model
+        assert {p.batch_size for p in cfg.schedule.phases} == {2 * base.batch_size}  # 2 ranks
+        assert cfg.data.min_scale == base.min_scale and cfg.data.hflip == (base.hflip_prob == 0.5)
+        assert cfg.data.workers == base.workers
+        # Validation: the same size at every phase, the same resize, never from the recipe's low-res copies.
+        assert {p.val_image_size for p in cfg.schedule.phases} == {base.val_crop_size}
+        assert round(base.val_crop_size * cfg.data.val_resize_ratio) == base.val_resize_size == VAL_SIDE
+        assert cfg.data.cache.lowres_max_image_size < base.val_crop_size
+        assert not 0 < cfg.data.rect_val_from_size <= base.val_crop_size  # square crops, as the baseline's
+        assert cfg.schedule.phases[-1].end_epoch == cfg.train.epochs
 
 
 def assert_loaded_as(raw: dict, loaded: object, where: str) -> None:
@@ -531,9 +545,10 @@ def test_result_line_carries_both_configs(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setitem(common._run, "results_dir", "")  # no result file
     runs = []
-    for side, seconds in (("baseline", 50.0), ("recipe", 20.0)):
+    for side, seconds, config in [("baseline", 50.0, c) for c in tta.side_configs("baseline")] + [
+            ("recipe", 20.0, c) for c in tta.side_configs("recipe")]:
         r = run(side, 100, seconds)
-        r.run_dir = str(tmp_path / f"{side}_seed100")
+        r.config, r.run_dir = config, str(tmp_path / tta.run_folder(side, config, 100))
         Path(r.run_dir).mkdir()
         (Path(r.run_dir) / "metrics.jsonl").write_text(json.dumps(
             {"kind": "epoch", "epoch": 0, "eval/top1": 0.95, "time/elapsed_s": seconds}) + "\n")

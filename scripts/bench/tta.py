@@ -20,7 +20,7 @@ The sides, each with a frozen config per headline target (FROZEN; one file where
 both), tuned on tuning seeds with the same number of runs (docs/results/tta_tuning.json holds every tuning run as
 data, with the flags each one changed); a side with two configs runs both on every fresh seed, and each target is
 read from the runs of the configs frozen for it:
-  (a) baseline: scripts/tta_baseline.py --config configs/tta_baseline_cpu.yaml, the torchvision reference recipe
+  (a) baseline: scripts/tta_baseline.py --config configs/tta_baseline_cpu[_70].yaml, the torchvision reference recipe
       (ImageFolder + DataLoader, PIL decodes every JPEG every epoch, one fixed image size, SGD + warm-up + cosine,
       DDP dense allreduce, fp32: the reference's --amp is CUDA-only), tuned with the reference's flags;
   (b) recipe: `recipes.resnet50 --config configs/tta_recipe_cpu.yaml` (DALI CPU mode behind the multi-level cache,
@@ -70,7 +70,7 @@ BASELINE = ("torchvision reference recipe (ImageFolder + DataLoader, fixed size,
 DATA = Path("datasets/tta_photos")  # written by scripts/make_tta_photos.py if missing
 RECIPE_CONFIG = "configs/tta_recipe_cpu.yaml"
 BASELINE_CONFIG = "configs/tta_baseline_cpu.yaml"
-FROZEN: dict[str, dict[float, str]] = {"baseline": {0.7: BASELINE_CONFIG, 0.75: BASELINE_CONFIG},
+FROZEN: dict[str, dict[float, str]] = {"baseline": {0.7: "configs/tta_baseline_cpu_70.yaml", 0.75: BASELINE_CONFIG},
                                        "recipe": {0.7: RECIPE_CONFIG, 0.75: RECIPE_CONFIG}}
 """Each side's frozen config per headline target, tuned for that target on tuning seeds; a side whose best config
 was the same for every target lists one file throughout and runs once per seed."""
