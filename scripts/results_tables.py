@@ -272,14 +272,7 @@ def tta(r: dict[str, Any]) -> list[str]:
         seconds(targets[t]["baseline_s"][i], targets[t]["baseline_epochs"][i]),
         seconds(targets[t]["recipe_s"][i], targets[t]["recipe_epochs"][i]), paired(targets[t]["ratios"][i]))]]
         for i, seed in enumerate(seeds)]
-    acc = r.get("accuracy")
-
-    def pct(side: str, key: str) -> str:
-        return f"{100 * acc[side][key]:.1f}%"
-    accuracy_line = (f"Final top-1, mean over the seeds: baseline {pct('baseline', 'mean_final_top1')}, recipe "
-                     f"{pct('recipe', 'mean_final_top1')} (best: {pct('baseline', 'mean_best_top1')} and "
-                     f"{pct('recipe', 'mean_best_top1')})." if acc else
-                     "Final top-1 not recorded: these runs stopped at the target.")
+    accuracy_line = tta_accuracy(r)
     return [*table(["target", "seeds both reached", "recipe / baseline, median", "bootstrap 90% interval", "range",
                     "baseline missed", "recipe missed"], rows), "",
             *table(["fresh seed", *[f"{h} {100 * float(t):g}%" for t in headline
@@ -287,6 +280,33 @@ def tta(r: dict[str, Any]) -> list[str]:
             f"Each target at {r['target_consecutive']} evaluations in a row; the median is over the seeds both sides "
             f"reached, a miss is listed, never counted as the other side's win. {accuracy_line} The recipe ran in "
             f"{r['recipe_precision']}."]
+
+
+def tta_accuracy(r: dict[str, Any]) -> str:
+    """Each side's mean final and best top-1 with the configs frozen for each headline target (once where both
+    sides run one config throughout), naming the configs."""
+    acc, frozen = r.get("accuracy"), r.get("frozen")
+    if not acc:
+        return "Final top-1 not recorded: these runs stopped at the target."
+    if frozen is None:  # one config per side
+        acc, frozen = {"": acc}, {}
+
+    def pct(a: dict[str, Any], side: str, key: str) -> str:
+        return f"{100 * a[side][key]:.1f}%"
+
+    def configs(t: str) -> str:
+        return " and ".join(f"`{frozen[side][t]}`" for side in ("baseline", "recipe")) if frozen else ""
+    groups: dict[str, list[str]] = {}
+    for t in acc:
+        groups.setdefault(configs(t), []).append(t)
+    parts = []
+    for names, ts in groups.items():
+        a = acc[ts[0]]
+        where = (f" of {names} (frozen for {' and '.join(f'{100 * float(t):g}%' for t in ts)})" if names else "")
+        parts.append(f"Final top-1, mean over the seeds{where}: baseline {pct(a, 'baseline', 'mean_final_top1')}, "
+                     f"recipe {pct(a, 'recipe', 'mean_final_top1')} (best: {pct(a, 'baseline', 'mean_best_top1')} "
+                     f"and {pct(a, 'recipe', 'mean_best_top1')}).")
+    return " ".join(parts)
 
 
 QUIET_LOAD = 4.0  # a 1-min load average below it at a tuning run's start: no other job was running
@@ -317,9 +337,10 @@ def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive
                      *["missed" if i is None else f"{run['elapsed_s'][i]:.1f} (epoch {i + 1})" for i in at],
                      f"{run['load_before']:.1f} → {run['load_after']:.1f}"])
     tuning = [r for r in runs if ablation_kind(r) is None]
-    counts = "; ".join(f"{side}: {sum(r['side'] == side for r in tuning)} runs, "
-                       f"{sum(r['side'] == side and r['load_before'] < QUIET_LOAD for r in tuning)} of them alone"
-                       for side in sorted({r["side"] for r in tuning}))
+    counts = "; ".join(
+        f"{cpu}, {side}: {len(mine)} runs, {sum(r['load_before'] < QUIET_LOAD for r in mine)} of them alone"
+        for cpu, side in sorted({(r.get("cpu", "?"), r["side"]) for r in tuning})
+        if (mine := [r for r in tuning if (r.get("cpu", "?"), r["side"]) == (cpu, side)]))
     if len(tuning) < len(runs):
         counts += f" (and {len(runs) - len(tuning)} ablation runs of the recipe, listed too, not counted)"
     return [*table(["date (UTC)", "commit", "side", "overrides", "seed", "last top-1",

@@ -18,7 +18,8 @@ Memory format: contiguous (NCHW) tensors by default, as the reference, which has
 one in configs/tta_baseline_cpu.yaml.
 
 `--config FILE`: a YAML mapping of this script's options (names as on the command line, without the dashes) that
-replaces the defaults; options given on the command line win. The bench's frozen baseline is such a file.
+replaces the defaults; options given on the command line win; `base: OTHER.yaml` (relative to the file) takes
+OTHER's options first. The bench's frozen baselines are such files.
 
 Differences from the reference, each to make the comparison with the recipe fair: `--hflip-prob` and
 `--min-scale` (the reference hard-codes 0.5 and 0.08) so both sides augment alike; with `--model-ema` only the
@@ -105,16 +106,27 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
+def read_config(path: Path, parser: argparse.ArgumentParser, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A --config file's options over those of the file its `base:` names (relative to it), recursively."""
+    if not path.is_file():
+        parser.error(f"--config {path}: no such file")
+    values = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(values, dict):
+        parser.error(f"--config {path}: expected a mapping of options, got {type(values).__name__}")
+    if "base" not in values:
+        return values
+    base = (path.parent / str(values.pop("base"))).resolve()
+    if base in seen:
+        parser.error(f"--config {path}: base files form a cycle through {base}")
+    return {**read_config(base, parser, (*seen, path.resolve())), **values}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line over --config's values over the defaults; a config key that is no option is an error."""
     parser = get_args_parser()
     first, _ = parser.parse_known_args(argv)
     if first.config is not None:
-        if not first.config.is_file():
-            parser.error(f"--config {first.config}: no such file")
-        values = yaml.safe_load(first.config.read_text()) or {}
-        if not isinstance(values, dict):
-            parser.error(f"--config {first.config}: expected a mapping of options, got {type(values).__name__}")
+        values = read_config(first.config, parser)
         types = {a.dest: a.type for a in parser._actions if a.dest not in ("help", "config")}
         values = {str(k).replace("-", "_"): v for k, v in values.items()}
         unknown = sorted(k for k in values if k not in types)

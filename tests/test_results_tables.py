@@ -103,6 +103,25 @@ def test_every_table_renders_from_the_committed_files() -> None:
             assert f"docs/results/{path.name}" in render(bench)
 
 
+def test_tta_accuracy_names_the_configs_frozen_for_each_target() -> None:
+    def acc(base: float, recipe: float) -> dict:
+        return {side: {"mean_final_top1": v, "mean_best_top1": v + 0.01}
+                for side, v in (("baseline", base), ("recipe", recipe))}
+    two = {"accuracy": {"0.7": acc(0.70, 0.75), "0.75": acc(0.78, 0.75)},
+           "frozen": {"baseline": {"0.7": "b70.yaml", "0.75": "b75.yaml"}, "recipe": {"0.7": "r.yaml", "0.75": "r.yaml"}}}
+    assert results_tables.tta_accuracy(two) == (
+        "Final top-1, mean over the seeds of `b70.yaml` and `r.yaml` (frozen for 70%): baseline 70.0%, recipe 75.0% "
+        "(best: 71.0% and 76.0%). Final top-1, mean over the seeds of `b75.yaml` and `r.yaml` (frozen for 75%): "
+        "baseline 78.0%, recipe 75.0% (best: 79.0% and 76.0%).")
+    one = {"accuracy": two["accuracy"] | {"0.75": acc(0.70, 0.75)},
+           "frozen": {side: {"0.7": "x.yaml", "0.75": "x.yaml"} for side in ("baseline", "recipe")}}
+    assert results_tables.tta_accuracy(one).count("Final top-1") == 1 and "frozen for 70% and 75%" in \
+        results_tables.tta_accuracy(one)
+    assert results_tables.tta_accuracy({"accuracy": acc(0.7, 0.8)}).startswith(  # a file of one config per side
+        "Final top-1, mean over the seeds: baseline 70.0%, recipe 80.0%")
+    assert "not recorded" in results_tables.tta_accuracy({})
+
+
 def test_a_per_machine_bench_renders_each_machines_file(tmp_path: Path) -> None:
     record = json.loads(next(RESULTS_DIR.glob("tta-*.json")).read_text())
     for name, cpu in (("tta-one", "CPU One"), ("tta-two", "CPU Two")):

@@ -70,7 +70,7 @@ def run(side: str, seed: int, tta_s: float | None, final: float = 0.95) -> Run:
     t = tta_s or 100.0
     top1 = [0.5, 0.95, final] if tta_s is not None else [0.5, 0.6, min(final, 0.6)]
     return Run(side=side, seed=seed, process_s=t + 10, load_before=1.0, load_after=2.0, run_dir=f"/runs/{side}{seed}",
-               top1=top1, elapsed_s=[t / 2, t * 0.75, t])
+               top1=top1, elapsed_s=[t / 2, t * 0.75, t], config=tta.config_for(side, tta.HEADLINE[0]))
 
 
 def test_one_run_gives_its_time_to_every_target():
@@ -295,6 +295,33 @@ def test_the_baselines_ema_updates_every_n_steps_and_copies_the_weights_during_w
     assert same == warming_up  # the last step (index 2) updated it: a copy when warming up, an average if not
 
 
+@pytest.mark.parametrize("model_ema", [False, True])
+def test_the_baseline_evaluates_the_average_with_model_ema(photos, tmp_path, monkeypatch, model_ema):
+    """With --model-ema every evaluation scores the moving average, never the trained weights; without it, the
+    trained weights."""
+    from torch.optim.swa_utils import AveragedModel
+
+    seen: list[tuple[bool, list[torch.Tensor]]] = []
+    evaluate = tta_baseline.evaluate
+
+    def spy(model, loader, memory_format):
+        seen.append((isinstance(model, AveragedModel), [p.detach().clone() for p in model.parameters()]))
+        return evaluate(model, loader, memory_format)
+
+    trained: list[torch.nn.Module] = []
+    build_ema = tta_baseline.build_ema
+    monkeypatch.setattr(tta_baseline, "evaluate", spy)
+    monkeypatch.setattr(tta_baseline, "build_ema", lambda model, *a: trained.append(model) or build_ema(model, *a))
+    tta_baseline.main(["--config", tta.BASELINE_CONFIG, f"--data-path={photos}", "--workers=0", "--batch-size=2",
+                       "--train-crop-size=16", "--val-resize-size=18", "--val-crop-size=16", "--epochs=2",
+                       f"--output-dir={tmp_path}", "--model-ema-steps=1", "--model-ema-decay=0.9",
+                       "--model-ema" if model_ema else "--no-model-ema"])
+    assert [is_average for is_average, _ in seen] == [model_ema, model_ema]  # one evaluation per epoch
+    weights = [p.detach() for p in trained[0].parameters()]
+    differs = any(not torch.equal(a, b) for a, b in zip(seen[-1][1], weights))
+    assert differs == model_ema  # the last evaluation scored the average (it lags the trained weights) or them
+
+
 def test_norm_weight_decay_splits_batchnorm_parameters():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Linear(4, 2))
     args = tta_baseline.parse_args(["--norm-weight-decay=0", "--wd=0.01"])
@@ -312,6 +339,17 @@ def test_baseline_config_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         tta_baseline.parse_args(["--config", str(bad)])
     assert "unknown option(s) warmup" in capsys.readouterr().err
+    # base: the other file's options first, this file's over them, the command line over both
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "child.yaml").write_text("base: ../parent.yaml\nlr: 0.2\n")
+    (tmp_path / "parent.yaml").write_text("lr: 0.1\nepochs: 3\nbase: grand.yaml\n")
+    (tmp_path / "grand.yaml").write_text("epochs: 5\nbatch-size: 7\n")
+    args = tta_baseline.parse_args(["--config", str(tmp_path / "sub" / "child.yaml"), "--batch-size=9"])
+    assert (args.lr, args.epochs, args.batch_size) == (0.2, 3, 9)
+    (tmp_path / "grand.yaml").write_text("base: sub/child.yaml\n")
+    with pytest.raises(SystemExit):
+        tta_baseline.parse_args(["--config", str(tmp_path / "sub" / "child.yaml")])
+    assert "base files form a cycle" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the plot (trainer/tta_plot.py) on real run folders
@@ -456,8 +494,9 @@ def test_tuning_history_is_data(tmp_path):
     assert [(h["seed"], h["time_to_s"], h["overrides"]) for h in history] == [
         (0, {"0.6": 50.0, "0.9": 50.0}, ["lr=0.1"]), (1, {"0.6": 100.0, "0.9": None}, ["optim.lr=0.1"])]
     # the config file the overrides applied to, as it was, and the precision each side trained in
-    assert history[0]["config"]["file"] == tta.BASELINE_CONFIG and history[0]["precision"] == "fp32"
-    assert history[1]["config"] == tta.configs()["recipe_config"] and history[1]["precision"] == "bf16"
+    assert history[0]["config"]["file"] == tta.config_for("baseline", tta.HEADLINE[0])
+    assert history[0]["precision"] == "fp32"
+    assert history[1]["config"] == tta.config_record(tta.RECIPE_CONFIG) and history[1]["precision"] == "bf16"
 
 
 # ---------------------------------------------------------------- the frozen configs
@@ -466,18 +505,20 @@ def test_frozen_configs_compare_like_with_like():
     from recipes.resnet50 import Config
     from trainer.config import load_config
 
-    cfg = load_config(Config, tta.RECIPE_CONFIG)
-    base = yaml.safe_load((ROOT / tta.BASELINE_CONFIG).read_text())
-    assert cfg.data.root == base["data-path"] == str(tta.DATA) and cfg.model.arch == base["model"]
-    assert {p.batch_size for p in cfg.schedule.phases} == {2 * base["batch-size"]}  # 2 ranks
-    assert cfg.data.min_scale == base["min-scale"] and cfg.data.hflip == (base["hflip-prob"] == 0.5)
-    assert cfg.data.workers == base["workers"]
-    # Validation: the same size at every phase, the same resize, never from the recipe's low-res copies.
-    assert {p.val_image_size for p in cfg.schedule.phases} == {base["val-crop-size"]}
-    assert round(base["val-crop-size"] * cfg.data.val_resize_ratio) == base["val-resize-size"] == VAL_SIDE
-    assert cfg.data.cache.lowres_max_image_size < base["val-crop-size"]
-    assert not 0 < cfg.data.rect_val_from_size <= base["val-crop-size"]  # square crops, as the baseline's
-    assert cfg.schedule.phases[-1].end_epoch == cfg.train.epochs
+    pairs = [(load_config(Config, str(ROOT / r)), tta_baseline.parse_args(["--config", str(ROOT / b)]))
+             for r in tta.side_configs("recipe") for b in tta.side_configs("baseline")]
+    assert len(pairs) == len(tta.side_configs("recipe")) * len(tta.side_configs("baseline")) >= 1
+    for cfg, base in pairs:
+        assert cfg.data.root == str(base.data_path) == str(tta.DATA) and cfg.model.arch == base.model
+        assert {p.batch_size for p in cfg.schedule.phases} == {2 * base.batch_size}  # 2 ranks
+        assert cfg.data.min_scale == base.min_scale and cfg.data.hflip == (base.hflip_prob == 0.5)
+        assert cfg.data.workers == base.workers
+        # Validation: the same size at every phase, the same resize, never from the recipe's low-res copies.
+        assert {p.val_image_size for p in cfg.schedule.phases} == {base.val_crop_size}
+        assert round(base.val_crop_size * cfg.data.val_resize_ratio) == base.val_resize_size == VAL_SIDE
+        assert cfg.data.cache.lowres_max_image_size < base.val_crop_size
+        assert not 0 < cfg.data.rect_val_from_size <= base.val_crop_size  # square crops, as the baseline's
+        assert cfg.schedule.phases[-1].end_epoch == cfg.train.epochs
 
 
 def assert_loaded_as(raw: dict, loaded: object, where: str) -> None:
@@ -504,9 +545,10 @@ def test_result_line_carries_both_configs(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setitem(common._run, "results_dir", "")  # no result file
     runs = []
-    for side, seconds in (("baseline", 50.0), ("recipe", 20.0)):
+    for side, seconds, config in [("baseline", 50.0, c) for c in tta.side_configs("baseline")] + [
+            ("recipe", 20.0, c) for c in tta.side_configs("recipe")]:
         r = run(side, 100, seconds)
-        r.run_dir = str(tmp_path / f"{side}_seed100")
+        r.config, r.run_dir = config, str(tmp_path / tta.run_folder(side, config, 100))
         Path(r.run_dir).mkdir()
         (Path(r.run_dir) / "metrics.jsonl").write_text(json.dumps(
             {"kind": "epoch", "epoch": 0, "eval/top1": 0.95, "time/elapsed_s": seconds}) + "\n")
@@ -517,8 +559,11 @@ def test_result_line_carries_both_configs(tmp_path, monkeypatch, capsys):
     # the asked target and the headline ones, read from the same runs; the verdict is the first headline's
     assert set(line["targets"]) == {"0.9", *(f"{t:g}" for t in tta.HEADLINE)}
     assert line["targets"]["0.9"]["ratio"] == 0.4 and line["ratio"] == line["targets"][f"{tta.HEADLINE[0]:g}"]["ratio"]
-    assert line["accuracy"]["recipe"]["final_top1"] == [0.95] and line["bench"].startswith("tta-")
-    baseline, recipe = dict(line["baseline_config"]), dict(line["recipe_config"])
+    assert line["accuracy"][f"{tta.HEADLINE[0]:g}"]["recipe"]["final_top1"] == [0.95]
+    assert line["bench"].startswith("tta-")
+    assert line["frozen"] == {side: {f"{t:g}": tta.config_for(side, t) for t in tta.HEADLINE} for side in tta.SIDES}
+    files = {c["file"]: dict(c) for c in line["config_files"]}
+    baseline, recipe = files[tta.BASELINE_CONFIG], files[tta.RECIPE_CONFIG]
     assert baseline.pop("file") == tta.BASELINE_CONFIG and recipe.pop("file") == tta.RECIPE_CONFIG
     assert baseline.keys() == yaml.safe_load((ROOT / tta.BASELINE_CONFIG).read_text()).keys()
     assert recipe.keys() == yaml.safe_load((ROOT / tta.RECIPE_CONFIG).read_text()).keys()
@@ -528,6 +573,35 @@ def test_result_line_carries_both_configs(tmp_path, monkeypatch, capsys):
         assert parsed == (Path(value) if isinstance(parsed, Path) else value), key
     assert_loaded_as({k: v for k, v in recipe.items() if k != "base"},
                      load_config(Config, str(ROOT / tta.RECIPE_CONFIG)), "")
+
+
+def test_each_target_reads_each_sides_config_for_it(tmp_path, monkeypatch):
+    """A side with a config per headline target runs each on every seed; a target is read from the runs of the
+    config frozen for the lowest headline target at or above it, and a seed is complete only with all of them."""
+    from dataclasses import asdict
+
+    monkeypatch.setitem(tta.FROZEN, "baseline", {0.7: "configs/b70.yaml", 0.75: "configs/b75.yaml"})
+    assert tta.side_configs("baseline") == ["configs/b70.yaml", "configs/b75.yaml"]
+    assert [tta.config_for("baseline", t) for t in (0.6, 0.7, 0.72, 0.75, 0.8)] == [
+        "configs/b70.yaml", "configs/b70.yaml", "configs/b75.yaml", "configs/b75.yaml", "configs/b75.yaml"]
+    assert tta.side_configs("recipe") == [tta.RECIPE_CONFIG]
+    assert tta.run_folder("baseline", "configs/b75.yaml", 100) == "baseline-b75_seed100"
+    assert tta.run_folder("recipe", tta.RECIPE_CONFIG, 100) == "recipe_seed100"
+    # seed 100: the 70% config reaches 0.9 at 40 s, the 75% one at 80 s; seed 101 lacks the 75% config's run
+    runs = []
+    for side, seed, seconds, config in (("baseline", 100, 40.0, "configs/b70.yaml"),
+                                        ("baseline", 100, 80.0, "configs/b75.yaml"),
+                                        ("recipe", 100, 20.0, tta.RECIPE_CONFIG),
+                                        ("baseline", 101, 40.0, "configs/b70.yaml"),
+                                        ("recipe", 101, 20.0, tta.RECIPE_CONFIG)):
+        r = run(side, seed, seconds)
+        r.config, r.run_dir = config, str(tmp_path / tta.run_folder(side, config, seed))
+        Path(r.run_dir).mkdir()
+        (Path(r.run_dir) / "run.json").write_text(json.dumps({**asdict(r), "target_consecutive": 2}))
+        runs.append(r)
+    assert [compare(tta.runs_for(runs[:3], t), 0.9, 2)["ratios"] for t in (0.7, 0.75)] == [[0.5], [0.25]]
+    loaded, _ = tta.load_runs(tmp_path)
+    assert sorted((r.seed, r.config) for r in loaded) == sorted((100, r.config) for r in runs[:3])
 
 
 def test_result_of_finished_runs_keeps_complete_seeds_only(tmp_path):

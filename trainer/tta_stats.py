@@ -118,6 +118,8 @@ class Run:
     choices_s: float = 0.0
     """Seconds the recipe spent deciding them before its clock started (measuring, or reading the cache):
     counted in `elapsed_s`."""
+    config: str = ""
+    """The config file the run trained with."""
 
     @property
     def final_top1(self) -> float:
@@ -137,7 +139,8 @@ class Run:
         return None if at is None else at + 1
 
 
-def read_run(side: str, seed: int, run_dir: Path, process_s: float, load_before: float, load_after: float) -> Run:
+def read_run(side: str, seed: int, run_dir: Path, process_s: float, load_before: float, load_after: float,
+             config: str = "") -> Run:
     """A Run from `run_dir/metrics.jsonl`; the recipe's start-up seconds (env.json) are added to its clock."""
     records = epoch_records(run_dir)
     if not records:
@@ -148,7 +151,7 @@ def read_run(side: str, seed: int, run_dir: Path, process_s: float, load_before:
     return Run(side=side, seed=seed, process_s=round(process_s, 1), load_before=load_before, load_after=load_after,
                run_dir=str(run_dir), top1=[float(r["eval/top1"]) for r in records],
                elapsed_s=[round(startup + float(r["time/elapsed_s"]), 3) for r in records], choices=choices,
-               choices_s=startup)
+               choices_s=startup, config=config)
 
 
 # ---------------------------------------------------------------- the comparison

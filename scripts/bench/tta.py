@@ -16,9 +16,11 @@ read at the last of them, so one lucky epoch cannot cross it. Every run goes to 
 times to every target, and each side's final and best top-1, come from the same runs; HEADLINE are the targets
 the verdict is about.
 
-The sides, each a frozen config tuned on tuning seeds with the same number of runs (docs/results/tta_tuning.json
-holds every tuning run as data, with the flags each one changed):
-  (a) baseline: scripts/tta_baseline.py --config configs/tta_baseline_cpu.yaml, the torchvision reference recipe
+The sides, each with a frozen config per headline target (FROZEN; one file where the same config was best for
+both), tuned on tuning seeds with the same number of runs (docs/results/tta_tuning.json holds every tuning run as
+data, with the flags each one changed); a side with two configs runs both on every fresh seed, and each target is
+read from the runs of the configs frozen for it:
+  (a) baseline: scripts/tta_baseline.py --config configs/tta_baseline_cpu[_70].yaml, the torchvision reference recipe
       (ImageFolder + DataLoader, PIL decodes every JPEG every epoch, one fixed image size, SGD + warm-up + cosine,
       DDP dense allreduce, fp32: the reference's --amp is CUDA-only), tuned with the reference's flags;
   (b) recipe: `recipes.resnet50 --config configs/tta_recipe_cpu.yaml` (DALI CPU mode behind the multi-level cache,
@@ -68,10 +70,39 @@ BASELINE = ("torchvision reference recipe (ImageFolder + DataLoader, fixed size,
 DATA = Path("datasets/tta_photos")  # written by scripts/make_tta_photos.py if missing
 RECIPE_CONFIG = "configs/tta_recipe_cpu.yaml"
 BASELINE_CONFIG = "configs/tta_baseline_cpu.yaml"
+FROZEN: dict[str, dict[float, str]] = {"baseline": {0.7: "configs/tta_baseline_cpu_70.yaml", 0.75: BASELINE_CONFIG},
+                                       "recipe": {0.7: RECIPE_CONFIG, 0.75: RECIPE_CONFIG}}
+"""Each side's frozen config per headline target, tuned for that target on tuning seeds; a side whose best config
+was the same for every target lists one file throughout and runs once per seed."""
 FRESH_SEEDS_FROM = 100  # seeds below are tuning seeds
 QUICK_SEEDS, FULL_SEEDS = 2, 6
 TUNING_FILE = common.RESULTS_DIR / "tta_tuning.json"
 RAM_DIR = "/dev/shm" if Path("/dev/shm").is_dir() else None
+
+
+# ---------------------------------------------------------------- the frozen configs
+
+def config_for(side: str, target: float) -> str:
+    """The side's config for `target`: the one frozen for the lowest headline target at or above it (the
+    highest headline's above them all)."""
+    frozen = FROZEN[side]
+    at_or_above = [t for t in sorted(frozen) if t >= target - 1e-9]
+    return frozen[at_or_above[0] if at_or_above else max(frozen)]
+
+
+def side_configs(side: str) -> list[str]:
+    """The side's distinct frozen configs, in the order of their targets: each runs once per fresh seed."""
+    return list(dict.fromkeys(FROZEN[side][t] for t in sorted(FROZEN[side])))
+
+
+def runs_for(runs: Sequence[Run], target: float) -> list[Run]:
+    """The runs read at `target`: each side's runs of its config for that target."""
+    return [r for r in runs if r.config == config_for(r.side, target)]
+
+
+def run_folder(side: str, config: str, seed: int) -> str:
+    """SIDE_seedN, or SIDE-CONFIGSTEM_seedN where the side runs several configs."""
+    return f"{side}_seed{seed}" if len(side_configs(side)) == 1 else f"{side}-{Path(config).stem}_seed{seed}"
 
 
 # ---------------------------------------------------------------- one run
@@ -116,22 +147,23 @@ def times_text(r: Run, targets: Sequence[float], consecutive: int) -> str:
     return ", ".join(f"{100 * t:g}%: " + ("missed" if s is None else f"{s:.1f} s") for t, s in times.items())
 
 
-def run_side(side: str, seed: int, out: Path, targets: Sequence[float], consecutive: int, overrides: Sequence[str],
-             recipe_overrides: Sequence[str]) -> Run:
-    """One run of `side` on `seed` into out/SIDE_seedSEED (which must not exist yet), to the end."""
-    run_dir = (out / f"{side}_seed{seed}").resolve()
+def run_side(side: str, config: str, seed: int, out: Path, targets: Sequence[float], consecutive: int,
+             overrides: Sequence[str], recipe_overrides: Sequence[str], folder: str | None = None) -> Run:
+    """One run of `side` with `config` on `seed` into out/`folder` (default SIDE_seedSEED; it must not exist
+    yet), to the end."""
+    run_dir = (out / (folder or f"{side}_seed{seed}")).resolve()
     if run_dir.exists():
         raise FileExistsError(f"{run_dir}: exists; give a fresh --out (run folders are never reused)")
     load_before = os.getloadavg()[0]
     if side == "baseline":
-        seconds = common.run_logged(baseline_cmd(BASELINE_CONFIG, run_dir, seed, overrides), run_dir)
+        seconds = common.run_logged(baseline_cmd(config, run_dir, seed, overrides), run_dir)
     else:
         with tempfile.TemporaryDirectory(prefix="tta-cache-") as disk, \
                 tempfile.TemporaryDirectory(prefix="tta-l2-", dir=RAM_DIR) as ram:
-            seconds = common.run_logged(recipe_cmd(RECIPE_CONFIG, run_dir, Path(disk), Path(ram), seed,
+            seconds = common.run_logged(recipe_cmd(config, run_dir, Path(disk), Path(ram), seed,
                                         [*recipe_overrides, *overrides]), run_dir)
-    r = read_run(side, seed, run_dir, seconds, load_before, os.getloadavg()[0])
-    print(f"  {side} seed {seed}: {times_text(r, targets, consecutive)}; final top-1 {100 * r.final_top1:.2f}%, "
+    r = read_run(side, seed, run_dir, seconds, load_before, os.getloadavg()[0], config)
+    print(f"  {side} ({config}) seed {seed}: {times_text(r, targets, consecutive)}; final top-1 {100 * r.final_top1:.2f}%, "
           f"best {100 * r.best_top1:.2f}% in {len(r.top1)} epochs, process {r.process_s:.1f} s, load "
           f"{load_before:.1f} -> {r.load_after:.1f}", flush=True)
     (run_dir / "run.json").write_text(json.dumps({**asdict(r), "target_consecutive": consecutive}, indent=1) + "\n")
@@ -140,7 +172,7 @@ def run_side(side: str, seed: int, out: Path, targets: Sequence[float], consecut
 
 def load_runs(out: Path) -> tuple[list[Run], int]:
     """The finished runs under `out` (each run folder's run.json, written when the run ended), with the rule
-    they were read by; only fresh seeds with both sides finished."""
+    they were read by; only fresh seeds with every frozen config of both sides finished."""
     docs = [json.loads(p.read_text()) for p in sorted(out.glob("*_seed*/run.json"))]
     if not docs:
         raise FileNotFoundError(f"{out}: no finished run (no */run.json)")
@@ -148,10 +180,11 @@ def load_runs(out: Path) -> tuple[list[Run], int]:
     if len(rules) != 1:
         raise ValueError(f"{out}: runs read with different rules (evaluations in a row: {sorted(rules)})")
     runs = [Run(**d) for d in docs if d["seed"] >= FRESH_SEEDS_FROM]  # a tuning run is never evaluated
-    sides: dict[int, set[str]] = {}
+    done: dict[int, set[tuple[str, str]]] = {}
     for r in runs:
-        sides.setdefault(r.seed, set()).add(r.side)
-    runs = [r for r in runs if sides[r.seed] == set(SIDES)]
+        done.setdefault(r.seed, set()).add((r.side, r.config))
+    planned = {(side, config) for side in SIDES for config in side_configs(side)}
+    runs = [r for r in runs if done[r.seed] == planned]
     runs.sort(key=lambda r: (Path(r.run_dir) / "run.json").stat().st_mtime)  # running order
     (consecutive,) = rules
     return runs, consecutive
@@ -160,17 +193,15 @@ def load_runs(out: Path) -> tuple[list[Run], int]:
 # ---------------------------------------------------------------- the comparison
 
 def report(runs: Sequence[Run], targets: dict[str, dict[str, Any]], consecutive: int) -> None:
-    """The per-seed table (seconds to each target, from the comparison; final top-1) and a verdict line per
-    target."""
-    by = {(r.side, r.seed): r for r in runs}
+    """The per-seed table (seconds to each target, from the comparison, each side with its config for that
+    target; every run's final top-1) and a verdict line per target."""
     rows = []
     for i, seed in enumerate(next(iter(targets.values()))["seeds"]):
-        b, r = by[("baseline", seed)], by[("recipe", seed)]
-        first = "baseline" if runs.index(b) < runs.index(r) else "recipe"
+        mine = [r for r in runs if r.seed == seed]
         cells = ["-" if (s := res[f"{side}_s"][i]) is None else str(s) for res in targets.values() for side in SIDES]
-        rows.append([seed, first, *cells, f"{100 * b.final_top1:.1f} / {100 * r.final_top1:.1f}"])
+        rows.append([seed, mine[0].side, *cells, " / ".join(f"{100 * r.final_top1:.1f}" for r in mine)])
     print_table(["seed", "first", *[f"{100 * float(t):g}% {side[0]}" for t in targets for side in SIDES],
-                 "final top-1 b / r"], rows)
+                 "final top-1 (running order)"], rows)
     for t, res in targets.items():
         missed = "; ".join(f"{side} missed seeds {res['missed'][side]}" for side in SIDES if res["missed"][side])
         print(f"time to {100 * float(t):g}% top-1 ({consecutive} in a row), recipe / baseline, median of "
@@ -178,10 +209,15 @@ def report(runs: Sequence[Run], targets: dict[str, dict[str, Any]], consecutive:
               f"{res['interval']}; range {res['range']}" + (f"; {missed}" if missed else ""))
 
 
+def config_record(path: str) -> dict[str, Any]:
+    """A config file as it is in the repository, with its name."""
+    return {"file": path, **yaml.safe_load((ROOT / path).read_text())}
+
+
 def configs() -> dict[str, Any]:
-    """Both frozen configs as they are in the repository."""
-    return {"baseline_config": {"file": BASELINE_CONFIG, **yaml.safe_load((ROOT / BASELINE_CONFIG).read_text())},
-            "recipe_config": {"file": RECIPE_CONFIG, **yaml.safe_load((ROOT / RECIPE_CONFIG).read_text())}}
+    """Which config each side runs for each headline target, and every one of those files as it is."""
+    return {"frozen": {side: {f"{t:g}": path for t, path in sorted(FROZEN[side].items())} for side in SIDES},
+            "config_files": [config_record(path) for side in SIDES for path in side_configs(side)]}
 
 
 def warm_page_cache(root: Path) -> int:
@@ -190,13 +226,15 @@ def warm_page_cache(root: Path) -> int:
 
 
 def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], targets: Sequence[float],
-                  consecutive: int, precision: str, path: Path = TUNING_FILE, commit: str | None = None) -> Path:
+                  consecutive: int, precision: str, path: Path = TUNING_FILE, commit: str | None = None,
+                  config: str | None = None) -> Path:
     """Append tuning runs to the tuning history (a JSON list), with the date, machine, commit, the side's config
     file as it was (the overrides apply on top of it), the recipe's precision, each run's curve, its time to
     every target and its measured choices. `commit`: the one the runs ran at (default: now; the history file
-    itself is a tracked file, so a second append would read as +dirty)."""
+    itself is a tracked file, so a second append would read as +dirty); `config`: the file the overrides applied
+    to (default: the side's config for the first headline target)."""
     history = json.loads(path.read_text()) if path.is_file() else []
-    config = configs()[f"{side}_config"]
+    config_doc = config_record(config or config_for(side, HEADLINE[0]))
     for r in records:
         history.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "commit": commit or common.commit(), "choices": r.choices.get("choice"),
@@ -206,7 +244,7 @@ def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], t
                         "final_top1": round(r.final_top1, 4), "best_top1": round(r.best_top1, 4),
                         "epochs_run": len(r.top1), "top1": [round(x, 4) for x in r.top1],
                         "elapsed_s": [round(x, 1) for x in r.elapsed_s],
-                        "load_before": r.load_before, "load_after": r.load_after, "config": config,
+                        "load_before": r.load_before, "load_after": r.load_after, "config": config_doc,
                         "precision": precision if side == "recipe" else "fp32"})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(history, indent=1) + "\n")
@@ -230,6 +268,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="--tune: an override (baseline: option=value; recipe: dotted.config.key=value)")
     parser.add_argument("--tuning-seeds", type=int, nargs="+", default=[0], help="--tune: the seeds (< 100)")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help=f"--tune: the config the overrides apply to (default: the side's for "
+                             f"{100 * HEADLINE[0]:g}%%)")
     parser.add_argument("--from-runs", type=Path, metavar="OUT",
                         help="no training: the result of the finished runs in an earlier run's --out folder")
     common.add_results_option(parser)
@@ -244,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.error(f"--tuning-seeds must be in 0..{FRESH_SEEDS_FROM - 1}: higher seeds are the fresh ones")
     if any("=" not in item for item in args.set):
         parser.error("--set takes KEY=VALUE")
+    if args.config is not None and (args.tune is None or not (ROOT / args.config).is_file()):
+        parser.error(f"--config {args.config}: goes with --tune and names a file under {ROOT}")
     from data import dali_available
 
     if not dali_available():
@@ -269,16 +312,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return finish(runs, args.from_runs, args.targets, consecutive, precision, seeds)
     if args.tune is not None:
         commit = common.commit()  # before the runs: the history file they append to is tracked
-        runs = [run_side(args.tune, seed, out, args.targets, args.consecutive, args.set, precision_overrides)
+        config = args.config or config_for(args.tune, HEADLINE[0])
+        runs = [run_side(args.tune, config, seed, out, args.targets, args.consecutive, args.set, precision_overrides)
                 for seed in args.tuning_seeds]
-        path = append_tuning(runs, args.tune, args.set, args.targets, args.consecutive, precision, commit=commit)
-        line = {"bench": "tta-tuning", "side": args.tune, "overrides": args.set, "seeds": args.tuning_seeds,
+        path = append_tuning(runs, args.tune, args.set, args.targets, args.consecutive, precision, commit=commit,
+                             config=config)
+        line = {"bench": "tta-tuning", "side": args.tune, "config": config, "overrides": args.set,
+                "seeds": args.tuning_seeds,
                 "time_to_s": [{f"{t:g}": r.time_to(t, args.consecutive) for t in args.targets} for r in runs],
                 "final_top1": [r.final_top1 for r in runs], "history": str(path)}
         print(json.dumps(line))
         return line
-    runs = [run_side(side, seed, out, args.targets, args.consecutive, (), precision_overrides)
-            for seed, side in seed_order(args.first_seed, seeds)]
+    runs = [run_side(side, config, seed, out, args.targets, args.consecutive, (), precision_overrides,
+                     run_folder(side, config, seed))
+            for seed, side in seed_order(args.first_seed, seeds) for config in side_configs(side)]
     return finish(runs, out, args.targets, args.consecutive, precision, seeds)
 
 
@@ -292,20 +339,22 @@ def result_name(machine: dict[str, Any]) -> str:
 
 def finish(runs: Sequence[Run], out: Path, targets: Sequence[float], consecutive: int, precision: str,
            planned: int) -> dict[str, Any]:
-    """Plot, table, the result file and the last-line JSON of finished runs: per target the comparison, each
-    side's final and best top-1, and the headline targets' ratios."""
+    """Plot, table, the result file and the last-line JSON of finished runs: per target the comparison (each
+    side's runs of its config for that target), per headline target each side's final and best top-1, and the
+    headline targets' ratios."""
     from trainer.tta_plot import plot
 
     png = plot([Path(r.run_dir) for r in runs], out / "tta.png", "top1", min(HEADLINE),
-               [f"{r.side} (seed {r.seed})" for r in runs], [SIDE_COLORS[r.side] for r in runs])
-    by_target = {f"{t:g}": compare(runs, t, consecutive) for t in sorted(set(targets) | set(HEADLINE))}
+               [f"{run_folder(r.side, r.config, r.seed).rsplit('_seed', 1)[0]} (seed {r.seed})" for r in runs],
+               [SIDE_COLORS[r.side] for r in runs])
+    by_target = {f"{t:g}": compare(runs_for(runs, t), t, consecutive) for t in sorted(set(targets) | set(HEADLINE))}
     report(runs, by_target, consecutive)
     seeds = by_target[f"{HEADLINE[0]:g}"]["seeds"]
     line = {"bench": result_name(common.machine()), "baseline": BASELINE, "dataset": str(DATA), "model": "resnet18",
             "target_consecutive": consecutive, "headline": [f"{t:g}" for t in HEADLINE],
             "recipe_precision": precision, "seeds_planned": planned, "complete": len(seeds) >= planned,
             **configs(), "runs": [asdict(r) for r in runs], "plot": str(png), "targets": by_target,
-            "accuracy": accuracy(runs),
+            "accuracy": {f"{t:g}": accuracy(runs_for(runs, t)) for t in HEADLINE},
             "ratio": by_target[f"{HEADLINE[0]:g}"]["ratio"]}
     path = common.write_result(line)
     if path is not None:
