@@ -331,7 +331,7 @@ def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive
     rows = []
     for run in runs:
         at = [reached_at(run["top1"], target, consecutive) for target in targets]
-        rows.append([run["date"][:16].replace("T", " "), f"`{run['commit'][:7]}`", run["side"],
+        rows.append([run.get("cpu", "?"), run["date"][:16].replace("T", " "), f"`{run['commit'][:7]}`", run["side"],
                      "<br>".join(override_text(o) for o in run["overrides"]) or "none", run["seed"],
                      f"{100 * run['top1'][-1]:.1f}% after {run['epochs_run']}",
                      *["missed" if i is None else f"{run['elapsed_s'][i]:.1f} (epoch {i + 1})" for i in at],
@@ -343,7 +343,7 @@ def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive
         if (mine := [r for r in tuning if (r.get("cpu", "?"), r["side"]) == (cpu, side)]))
     if len(tuning) < len(runs):
         counts += f" (and {len(runs) - len(tuning)} ablation runs of the recipe, listed too, not counted)"
-    return [*table(["date (UTC)", "commit", "side", "overrides", "seed", "last top-1",
+    return [*table(["machine", "date (UTC)", "commit", "side", "overrides", "seed", "last top-1",
                     *[f"s to {100 * t:g}% x {consecutive}" for t in targets], "load (1 min)"], rows), "",
             f"From [`docs/results/tta_tuning.json`](results/tta_tuning.json), appended by `python -m scripts.bench.tta "
             f"--tune SIDE --set KEY=VALUE`: {counts} (started at a 1-minute load below {QUIET_LOAD:g}; a run itself "

@@ -141,7 +141,7 @@ def test_tuning_runs_are_read_at_the_bench_target_from_their_curves(tmp_path: Pa
         return {"date": "2026-12-02T07:00:00Z", "commit": "0123456789ab", "side": side, "overrides": overrides,
                 "seed": 0, "top1": top1,
                 "elapsed_s": [10.0 * (i + 1) for i in range(len(top1))], "epochs_run": len(top1),
-                "load_before": 0.5, "load_after": 2.1}
+                "load_before": 0.5, "load_after": 2.1, "cpu": "CPU A"}
 
     high, low = TARGET_TOP1 + 0.01, TARGET_TOP1 - 0.01
     lucky = [low] * 3 + [high] + [low] * 3  # one evaluation above: not a crossing
@@ -151,11 +151,12 @@ def test_tuning_runs_are_read_at_the_bench_target_from_their_curves(tmp_path: Pa
     (tmp_path / "tta_tuning.json").write_text(json.dumps([run("recipe", lucky, ["optim.lr=0.4"]),
                                                           run("baseline", steady, [phases])]))
     text = render("tta_tuning", tmp_path)
-    lucky_row, steady_row = [line for line in text.splitlines() if line.startswith("| 2026")]
+    lucky_row, steady_row = [line for line in text.splitlines() if line.startswith("| CPU A | 2026")]
     assert "missed" in lucky_row and "`optim.lr=0.4`" in lucky_row
     assert f"{10.0 * (2 + TARGET_CONSECUTIVE):.1f} (epoch {2 + TARGET_CONSECUTIVE})" in steady_row
     assert "phases 24 px ep. 0-2, 40 px ep. 2-5" in steady_row
-    assert "`0123456`" in steady_row and "baseline: 1 runs, 1 of them alone; recipe: 1 runs, 1 of them alone" in text
+    assert "`0123456`" in steady_row and "CPU A, baseline: 1 runs, 1 of them alone; CPU A, recipe: 1 runs, 1 of them alone" in text
+    assert steady_row.startswith("| CPU A | 2026-12-02 07:00 |")
     assert "No tuning run yet" in render("tta_tuning", tmp_path / "empty")
 
 

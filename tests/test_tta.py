@@ -173,7 +173,7 @@ def test_task_images(photos):
             assert img.format == "PNG" and img.size == (VAL_SIDE, VAL_SIDE) and img.mode == "RGB"
 
 
-KNOBS = {"off": ([], []),
+KNOBS = {"off": (["train.ema_decay=0", "train.eval_flip=false"], ["--no-model-ema"]),
          "on": (["train.ema_decay=0.9", "train.eval_flip=true", "schedule.final_lr=0.01"],
                 ["--model-ema", "--model-ema-steps=1", "--lr-min=0.001"])}
 
@@ -604,8 +604,10 @@ def test_each_target_reads_each_sides_config_for_it(tmp_path, monkeypatch):
     assert sorted((r.seed, r.config) for r in loaded) == sorted((100, r.config) for r in runs[:3])
 
 
-def test_result_of_finished_runs_keeps_complete_seeds_only(tmp_path):
+def test_result_of_finished_runs_keeps_complete_seeds_only(tmp_path, monkeypatch):
     from dataclasses import asdict
+
+    monkeypatch.setitem(tta.FROZEN, "baseline", {t: tta.BASELINE_CONFIG for t in tta.HEADLINE})  # one per side
 
     # a complete fresh seed, an incomplete one, and a complete tuning seed (never part of a result)
     for r in (run("baseline", 100, 50.0), run("recipe", 100, 20.0), run("recipe", 101, 30.0),
