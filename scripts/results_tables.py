@@ -352,10 +352,11 @@ def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive
 
 
 def ablation_kind(run: dict[str, Any]) -> str | None:
-    """The exchange of a recipe run to the end that changed nothing but comm.kind ('auto (the config)' for no
-    change): an ablation run, not a tuning one; None for any other run."""
+    """The exchange of an ablation run (`--tune recipe --ablation`: to the end, changing nothing but comm.kind;
+    'auto (the config)' for no change); None for a tuning run."""
     kinds = [o.partition("=")[2] for o in run["overrides"] if o.startswith("comm.kind=")]
-    if run["side"] != "recipe" or "final_top1" not in run or len(kinds) != len(run["overrides"]) or len(kinds) > 1:
+    if run.get("purpose") != "ablation" or run["side"] != "recipe" or "final_top1" not in run \
+            or len(kinds) != len(run["overrides"]) or len(kinds) > 1:
         return None
     return kinds[0] if kinds else "auto (the config)"
 
@@ -368,8 +369,8 @@ def tta_ablation(runs: list[dict[str, Any]]) -> list[str]:
         if (kind := ablation_kind(run)) is not None:
             groups.setdefault((run.get("cpu", "?"), kind), []).append(run)
     if not groups:
-        return ["_No ablation run yet: `python -m scripts.bench.tta --tune recipe --set comm.kind=KIND --tuning-seeds "
-                "0 1 2` runs one._"]
+        return ["_No ablation run yet: `python -m scripts.bench.tta --tune recipe --ablation --set comm.kind=KIND "
+                "--tuning-seeds 0 1 2` runs one._"]
 
     def pct(values: list[float]) -> str:
         return f"{100 * statistics.mean(values):.2f}% ({100 * min(values):.2f}-{100 * max(values):.2f})"

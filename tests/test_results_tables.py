@@ -161,14 +161,15 @@ def test_tuning_runs_are_read_at_the_bench_target_from_their_curves(tmp_path: Pa
 
 
 def test_the_ablation_groups_the_recipes_runs_to_the_end_by_exchange_only(tmp_path: Path) -> None:
-    def run(side: str, seed: int, overrides: list[str], final: float | None) -> dict:
+    def run(side: str, seed: int, overrides: list[str], final: float | None, purpose: str = "ablation") -> dict:
         out = {"side": side, "seed": seed, "overrides": overrides, "commit": "abcdef0123", "top1": [0.5, 0.7],
                "best_top1": 0.9, "cpu": "CPU A", "date": "2026-12-03T15:00:00Z", "epochs_run": 2,
-               "elapsed_s": [1.0, 2.0], "load_before": 0.5, "load_after": 2.0}
+               "elapsed_s": [1.0, 2.0], "load_before": 0.5, "load_after": 2.0, "purpose": purpose}
         return out if final is None else {**out, "final_top1": final}
     runs = [run("recipe", 0, ["comm.kind=dense"], 0.8), run("recipe", 1, ["comm.kind=dense"], 0.7),
             run("recipe", 0, [], 0.6), run("recipe", 0, ["comm.kind=hitopk"], 0.5),
             run("recipe", 2, ["comm.kind=dense", "optim.lr=0.1"], 0.99),  # changed more than the exchange
+            run("recipe", 4, [], 0.98, purpose="tuning"),  # the config as it stands, run as a tuning run
             run("baseline", 0, [], 0.99), run("recipe", 3, ["comm.kind=dense"], None)]  # stopped at its target
     (tmp_path / "tta_tuning.json").write_text(json.dumps(runs))
     runs.append({**run("recipe", 0, ["comm.kind=dense"], 0.5), "cpu": "CPU B"})  # another machine: its own row
@@ -180,7 +181,7 @@ def test_the_ablation_groups_the_recipes_runs_to_the_end_by_exchange_only(tmp_pa
                     "| CPU B | `dense` | 0 | `abcdef0` | 50.00% (50.00-50.00) | 90.00% (90.00-90.00) |"]
     # the tuning table lists them all, and counts the ablation runs apart from the tuning runs
     text = render("tta_tuning", tmp_path)
-    assert "recipe: 2 runs" in text and "baseline: 1 runs" in text and "and 5 ablation runs" in text
+    assert "recipe: 3 runs" in text and "baseline: 1 runs" in text and "and 5 ablation runs" in text
 
 
 def test_a_result_made_of_training_runs_shows_the_runs_load_not_the_report_s() -> None:

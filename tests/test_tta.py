@@ -149,6 +149,9 @@ def test_sides_alternate_from_seed_to_seed():
     (["--first-seed", "2"], "--first-seed must be >= 100"),
     (["--tune", "baseline", "--tuning-seeds", "100"], "--tuning-seeds must be in 0..99"),
     (["--tune", "recipe", "--set", "optim.lr"], "--set takes KEY=VALUE"),
+    (["--tune", "baseline", "--ablation"], "--ablation goes with --tune recipe"),
+    (["--tune", "recipe", "--ablation", "--set", "optim.lr=0.1"], "at most one --set comm.kind=KIND"),
+    (["--tune", "recipe", "--config", "configs/none.yaml"], "--config configs/none.yaml: goes with --tune"),
 ])
 def test_tuning_and_fresh_seeds_never_overlap(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -490,7 +493,11 @@ def test_tuning_history_is_data(tmp_path):
     path = tmp_path / "tuning.json"
     tta.append_tuning([run("baseline", 0, 50.0)], "baseline", ["lr=0.1"], [0.6, 0.9], 2, "fp32", path)
     tta.append_tuning([run("recipe", 1, None)], "recipe", ["optim.lr=0.1"], [0.6, 0.9], 2, "bf16", path)
+    tta.append_tuning([run("recipe", 2, 40.0)], "recipe", ["comm.kind=dense"], [0.9], 2, "bf16", path,
+                      purpose="ablation")
     history = json.loads(path.read_text())
+    assert [h["purpose"] for h in history] == ["tuning", "tuning", "ablation"]
+    history = history[:2]
     assert [(h["seed"], h["time_to_s"], h["overrides"]) for h in history] == [
         (0, {"0.6": 50.0, "0.9": 50.0}, ["lr=0.1"]), (1, {"0.6": 100.0, "0.9": None}, ["optim.lr=0.1"])]
     # the config file the overrides applied to, as it was, and the precision each side trained in

@@ -3,6 +3,7 @@
     python -m scripts.bench.tta [--quick] [--seeds 6] [--first-seed 100] [--out runs/bench_tta]
     python -m scripts.bench.tta --tune baseline --set lr=0.05 --set lr-warmup-epochs=0 [--tuning-seeds 0]
     python -m scripts.bench.tta --tune recipe --set optim.lr=0.3 [--tuning-seeds 0]
+    python -m scripts.bench.tta --tune recipe --ablation --set comm.kind=hitopk --tuning-seeds 0 1 2
 
 The task (scripts/make_tta_photos.py, written to datasets/tta_photos if missing): 40 classes, two overlapping
 regions of each of 20 real photographs (18 of scikit-image's, scikit-learn's 2), 2,000 training JPEGs of 300-500
@@ -227,18 +228,20 @@ def warm_page_cache(root: Path) -> int:
 
 def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], targets: Sequence[float],
                   consecutive: int, precision: str, path: Path = TUNING_FILE, commit: str | None = None,
-                  config: str | None = None) -> Path:
+                  config: str | None = None, purpose: str = "tuning") -> Path:
     """Append tuning runs to the tuning history (a JSON list), with the date, machine, commit, the side's config
     file as it was (the overrides apply on top of it), the recipe's precision, each run's curve, its time to
     every target and its measured choices. `commit`: the one the runs ran at (default: now; the history file
     itself is a tracked file, so a second append would read as +dirty); `config`: the file the overrides applied
-    to (default: the side's config for the first headline target)."""
+    to (default: the side's config for the first headline target); `purpose`: "tuning", or "ablation" for runs
+    that only vary the exchange (counted apart from the tuning runs)."""
     history = json.loads(path.read_text()) if path.is_file() else []
     config_doc = config_record(config or config_for(side, HEADLINE[0]))
     for r in records:
         history.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "commit": commit or common.commit(), "choices": r.choices.get("choice"),
-                        "cpu": common.machine()["cpu"], "side": side, "overrides": list(overrides), "seed": r.seed,
+                        "cpu": common.machine()["cpu"], "side": side, "purpose": purpose,
+                        "overrides": list(overrides), "seed": r.seed,
                         "target_consecutive": consecutive,
                         "time_to_s": {f"{t:g}": r.time_to(t, consecutive) for t in targets},
                         "final_top1": round(r.final_top1, 4), "best_top1": round(r.best_top1, 4),
@@ -268,6 +271,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="--tune: an override (baseline: option=value; recipe: dotted.config.key=value)")
     parser.add_argument("--tuning-seeds", type=int, nargs="+", default=[0], help="--tune: the seeds (< 100)")
+    parser.add_argument("--ablation", action="store_true",
+                        help="--tune recipe: the runs are the exchange's ablation (--set comm.kind=KIND or none), "
+                             "recorded apart from the tuning runs")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help=f"--tune: the config the overrides apply to (default: the side's for "
                              f"{100 * HEADLINE[0]:g}%%)")
@@ -285,6 +291,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         parser.error(f"--tuning-seeds must be in 0..{FRESH_SEEDS_FROM - 1}: higher seeds are the fresh ones")
     if any("=" not in item for item in args.set):
         parser.error("--set takes KEY=VALUE")
+    if args.ablation and (args.tune != "recipe" or any(not s.startswith("comm.kind=") for s in args.set)
+                          or len(args.set) > 1):
+        parser.error("--ablation goes with --tune recipe and at most one --set comm.kind=KIND")
     if args.config is not None and (args.tune is None or not (ROOT / args.config).is_file()):
         parser.error(f"--config {args.config}: goes with --tune and names a file under {ROOT}")
     from data import dali_available
@@ -316,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         runs = [run_side(args.tune, config, seed, out, args.targets, args.consecutive, args.set, precision_overrides)
                 for seed in args.tuning_seeds]
         path = append_tuning(runs, args.tune, args.set, args.targets, args.consecutive, precision, commit=commit,
-                             config=config)
+                             config=config, purpose="ablation" if args.ablation else "tuning")
         line = {"bench": "tta-tuning", "side": args.tune, "config": config, "overrides": args.set,
                 "seeds": args.tuning_seeds,
                 "time_to_s": [{f"{t:g}": r.time_to(t, args.consecutive) for t in args.targets} for r in runs],
