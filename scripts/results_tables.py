@@ -278,8 +278,18 @@ def tta(r: dict[str, Any]) -> list[str]:
             *table(["fresh seed", *[f"{h} {100 * float(t):g}%" for t in headline
                                     for h in ("baseline s to", "recipe s to", "ratio at")]], per_seed), "",
             f"Each target at {r['target_consecutive']} evaluations in a row; the median is over the seeds both sides "
-            f"reached, a miss is listed, never counted as the other side's win. {accuracy_line} The recipe ran in "
-            f"{r['recipe_precision']}."]
+            f"reached, a miss is listed, never counted as the other side's win. {accuracy_line} "
+            f"{recipe_precision(r)}"]
+
+
+def recipe_precision(r: dict[str, Any]) -> str:
+    """How the recipe's precision was set, and, where it was measured, what each run chose."""
+    chosen = sorted({str(((run.get("choices") or {}).get("choice") or {}).get("amp"))
+                     for run in r.get("runs", []) if run["side"] == "recipe"} - {"None"})
+    if not chosen:
+        return f"The recipe ran in {r['recipe_precision']}."
+    return (f"The recipe's precision: {r['recipe_precision']}; its runs chose train.amp "
+            f"{' or '.join(chosen)}.")
 
 
 def tta_accuracy(r: dict[str, Any]) -> str:
