@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from data.cache import CacheConfig
-from data.config import DataConfig, DataConfigError
+from data.config import DataConfig, DataConfigError, batch_dtype
 from data.layout import DatasetNotFoundError, check_dataset
 
 if TYPE_CHECKING:  # the backends import DALI or torchvision: only when used
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the backends import DALI or torchvision: only when used
     from data.synthetic import SyntheticImageData
     from data.torchvision_loader import TorchvisionImageData
 
-__all__ = ["CacheConfig", "DataConfig", "DataConfigError", "DatasetNotFoundError", "build_image_data",
+__all__ = ["CacheConfig", "DataConfig", "DataConfigError", "DatasetNotFoundError", "batch_dtype", "build_image_data",
            "check_dataset", "dali_available", "resolve_backend"]
 
 log = logging.getLogger(__name__)
@@ -48,16 +48,17 @@ def resolve_backend(backend: str) -> str:
 
 
 def build_image_data(cfg: DataConfig, rank: int, world_size: int, seed: int,
-                     device: torch.device = torch.device("cpu")
+                     device: torch.device = torch.device("cpu"), amp: str = "off"
                      ) -> SyntheticImageData | DaliImageData | TorchvisionImageData:
-    """The image data source for `cfg.backend`, delivering batches for `device` (DALI decodes on it if CUDA)."""
+    """The image data source for `cfg.backend`, delivering batches for `device` (DALI decodes on it if CUDA)
+    to a model trained at train.amp `amp` (DALI's element type follows it: `batch_dtype`)."""
     backend = resolve_backend(cfg.backend)
     if backend == "synthetic":
         from data.synthetic import SyntheticImageData
         return SyntheticImageData(cfg, rank, world_size, seed, device)
     if backend == "dali":
         from data.dali_loader import DaliImageData  # imports DALI: only when it is used
-        return DaliImageData(cfg, rank, world_size, seed, device, prefetch_batches=cfg.prefetch_batches)
+        return DaliImageData(cfg, rank, world_size, seed, device, prefetch_batches=cfg.prefetch_batches, amp=amp)
     from data.torchvision_loader import TorchvisionImageData  # imports torchvision: only when it is used
     if cfg.backend == "auto" and rank == 0:
         log.warning("data.backend=auto: DALI is not installed, using torchvision (no cache levels); %s", DALI_HINT)

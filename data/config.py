@@ -22,6 +22,20 @@ class DataConfigError(ValueError):
     """A mistake in the data section (the trainer's ConfigError carries the same meaning)."""
 
 
+def batch_dtype(dtype: str, amp: str, gpu: bool) -> Literal["float32", "float16"]:
+    """The element type of dali batches for data.dtype `dtype` and a model trained at train.amp `amp`, decoded
+    on the GPU or not (`gpu`). auto: float16 on the GPU under fp16 autocast or train.amp auto (its CUDA
+    candidates, bf16 and fp16, both autocast, which casts the batch at the first layer), else float32 (an fp32
+    model; a bf16 one too, as DALI emits no bfloat16). An explicit float16 with train.amp off raises: an fp32
+    model rejects float16 inputs, on any device."""
+    if dtype == "float16" and amp == "off":
+        raise DataConfigError("data.dtype: float16 batches need train.amp fp16, bf16 or auto (a model trained in "
+                              "fp32 rejects them); set data.dtype to auto or float32, or change train.amp")
+    if dtype != "auto":
+        return "float16" if dtype == "float16" else "float32"
+    return "float16" if gpu and amp in ("fp16", "auto") else "float32"
+
+
 @dataclass
 class DataConfig:
     root: str = "datasets/digits"
@@ -57,8 +71,9 @@ class DataConfig:
     """Memory layout of dali batches (always N,C,H,W-shaped); NHWC = channels-last strides, no copy for
     train.channels_last."""
     dtype: Literal["auto", "float32", "float16"] = "auto"
-    """Element type of dali batches: auto = float16 when decoding on the GPU (train.amp then must not be
-    off), else float32."""
+    """Element type of dali batches: auto = float16 when decoding on the GPU for a model under fp16 autocast
+    (train.amp fp16 or auto), else float32 (train.amp off or bf16: DALI has no bfloat16); float16 with
+    train.amp off is a config error (`batch_dtype`)."""
     prefetch_batches: int = 4
     """dali backend: batches a background thread prepares ahead of DALI (cache reads, misses, crop windows),
     so a cache miss never stalls the training step; 0 = inside DALI's callback, on the training thread."""

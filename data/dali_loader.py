@@ -29,7 +29,7 @@ import torch
 from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
 
 from data.cache import cache_folder, lowres_short_side, open_split_cache, stats_dict
-from data.config import DataConfig, worker_candidates
+from data.config import DataConfig, batch_dtype, worker_candidates
 from data.dali_pipelines import PipelineSpec, build_pipeline, dali_decodes
 from data.layout import check_dataset, list_split
 from data.reader import Fetch, SampleReader
@@ -302,11 +302,13 @@ class DaliImageData:
     """ImageNet-layout folders through the cache and DALI; one instance per run, pipelines rebuilt per phase.
 
     `prefetch_batches`: batches each loader's prefetch thread prepares ahead (0: the Python side of every
-    batch runs inside DALI's callback, on the training thread).
+    batch runs inside DALI's callback, on the training thread). `amp`: train.amp of the model the batches feed,
+    which data.dtype's auto follows (`batch_dtype`).
     """
 
     def __init__(self, cfg: DataConfig, rank: int, world_size: int, seed: int,
-                 device: torch.device = torch.device("cpu"), prefetch_batches: int = PREFETCH_BATCHES) -> None:
+                 device: torch.device = torch.device("cpu"), prefetch_batches: int = PREFETCH_BATCHES,
+                 amp: str = "off") -> None:
         self.num_classes = check_dataset(cfg.root)
         self.cfg, self.rank, self.world_size, self.seed = cfg, rank, world_size, seed
         self.prefetch_batches = prefetch_batches
@@ -317,7 +319,7 @@ class DaliImageData:
         gpu = device.type == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
         self.device_id = self.device.index if gpu else None
-        self.float16 = cfg.dtype == "float16" or (cfg.dtype == "auto" and gpu)
+        self.float16 = batch_dtype(cfg.dtype, amp, gpu) == "float16"
         short_side = lowres_short_side(cfg.cache, cfg.val_resize_ratio)
         train = list_split(cfg.root, "train")
         self.cache_dir = cache_folder(cfg.cache, cfg.root)

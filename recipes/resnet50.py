@@ -19,7 +19,7 @@ import torch
 import torchvision
 from torch import nn
 
-from data import DataConfig
+from data import DataConfig, batch_dtype
 from trainer.classification import ClassificationTask, ClassificationTrainConfig, build_classification_data
 from trainer.comm import CommConfig
 from trainer.config import require
@@ -75,12 +75,23 @@ class Config:
 
     def __post_init__(self) -> None:
         check_phase_table(self.schedule.phases, self.train.epochs, "the ResNet-50 recipe")
+        batch_dtype(self.data.dtype, self.train.amp, gpu=False)  # float16 batches into an fp32 model: an error now
+
+
+class GlobalAvgPool(nn.Module):
+    """The mean over height and width, shaped as nn.AdaptiveAvgPool2d(1)'s output (N, C, 1, 1). Its backward is
+    an expand, deterministic on CUDA, where adaptive_avg_pool2d's backward raises under train.deterministic."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((2, 3), keepdim=True)
 
 
 def build_model(cfg: ModelConfig, num_classes: int, verbose: bool = False) -> nn.Module:
     """torchvision's ResNet, residual blocks starting as the identity (model.zero_init_residual), or from
-    torchvision's pretrained weights (model.init); the task applies model.small_map_gemm."""
+    torchvision's pretrained weights (model.init), its global pool a `GlobalAvgPool` (no parameters: the state
+    dict keeps torchvision's keys); the task applies model.small_map_gemm."""
     model = torchvision.models.get_model(cfg.arch, num_classes=num_classes, zero_init_residual=cfg.zero_init_residual)
+    model.avgpool = GlobalAvgPool()
     return maybe_init_from_torchvision(model, cfg.init, cfg.arch, cfg.init_weights, verbose)
 
 

@@ -7,7 +7,8 @@ gives rows (check, result, detail) with result PASS, FAIL or SKIP. SKIP says why
 CUDA, an optional package absent (DALI, torchvision, Triton), or one GPU where the path needs two. FAIL is
 a wrong result, an exception, a crash or a timeout; the other checks still run. The table goes to stdout,
 ending in one JSON line: {"bench": "gpu_check", "rows": [...], "pass": n, "fail": n, "skip": n,
-"machine": {...}}; what the checks print goes to stderr. The exit status is 1 if any row failed.
+"machine": {...}}; what the checks print goes to stderr. The exit status is 1 if any row failed; 2, after one
+line naming them, when this Python lacks torch or a package the repository imports (the preflight looks).
 
 With `--device cpu`, or `auto` where torch sees no CUDA, it is a dry run of the same checks on the CPU
 paths at tiny sizes (seconds each). On one H200 the whole run must end within 8 minutes: `--budget-s`
@@ -39,7 +40,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ("PASS", "FAIL", "SKIP")
@@ -255,16 +256,41 @@ def _package_version(name: str) -> str:
         return "absent"
 
 
+REPOSITORY_MODULES = ("trainer.loop", "trainer.classification", "trainer.translation", "trainer.testing",
+                      "trainer.devices", "recipes.transformer_model", "kernels.testing")
+"""The repository's modules the checks import (the DALI check's aside): the preflight imports them, so that a
+package they need and this Python lacks stops the run in one line instead of failing every check."""
+
+
+def missing_packages(modules: Iterable[str]) -> list[str]:
+    """The packages not installed in this Python that importing `modules` runs into, sorted (an import stops at
+    the first one it misses, so one per module at most)."""
+    absent = set()
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            absent.add(err.name or name)
+    return sorted(absent)
+
+
 @check("preflight", timeout_s=90)
 def check_preflight(device: Any) -> list[Row]:
     """Versions of everything the GPU paths use; each GPU's compute capability against torch's arch list
-    (trainer.devices, the test the recipes make before they start), and a kernel run on it."""
+    (trainer.devices, the test the recipes make before they start), and a kernel run on it. A package the
+    repository imports and this Python lacks is one FAIL row, its names in MACHINE["missing"]."""
     import torch
+
+    cuda = torch.cuda.is_available()
+    MACHINE["device"] = device.type  # before any import of ours: the parent's --device auto is resolved from it
+    missing = missing_packages(REPOSITORY_MODULES)
+    if missing:
+        MACHINE["missing"] = missing
+        return [Row("preflight versions", "FAIL", f"not installed in this Python: {', '.join(missing)} (the "
+                                                  "repository imports them)")]
 
     from trainer.devices import arch_supported, cuda_problem
 
-    cuda = torch.cuda.is_available()
-    MACHINE["device"] = device.type
     nccl = "absent"
     with contextlib.suppress(Exception):  # a tuple (major, minor, patch); an int in older torch
         version = torch.cuda.nccl.version()
@@ -943,6 +969,7 @@ def run_one(name: str, device_name: str, result_file: str) -> int:
 
             if device_name == "auto":
                 device_name = "cuda" if torch.cuda.is_available() else "cpu"
+                MACHINE["device"] = device_name  # the parent's `auto`, whether or not the check gets further
             # with an index: init_process_group(device_id=...) and the comm thread's set_device need one
             cuda = device_name == "cuda" and torch.cuda.is_available()
             rows = spec.fn(torch.device("cuda", 0) if cuda else torch.device(device_name))
@@ -1036,15 +1063,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name} (device {device}, timeout {timeout:.0f} s)", file=sys.stderr, flush=True)
         got, found, seconds = run_child(name, device, timeout)  # `auto` is resolved by the preflight child
         machine.update(found)
+        if machine.get("missing"):  # the preflight's: every check would fail on the same import
+            print(f"gpu_check: {', '.join(machine['missing'])} not installed in {sys.executable}, and the repository "
+                  "imports them: install them, or run with a Python that has them (PYTHON=/path/to/python "
+                  "scripts/gpu_check.sh)", file=sys.stderr, flush=True)
+            return 2
         if device == "auto":
-            device = machine.get("device", "cpu")
+            # no report (the child died first): the next check resolves `auto` itself; never assume the CPU
+            device = machine.get("device", "auto")
         rows += [{**asdict(r), "group": name, "seconds": round(seconds, 1)} for r in got]
         print(f"   {name}: {seconds:.1f} s, " + ", ".join(f"{r.check} {r.result}" for r in got), file=sys.stderr,
               flush=True)
     machine["device"] = device
     counts = {k.lower(): sum(r["result"] == k for r in rows) for k in RESULTS}
     gpus = machine.get("gpus") or []
-    where = (", ".join(gpus) or "no CUDA device") if device == "cuda" else "the CPU (dry run)"
+    listed = ", ".join(gpus) or ("no CUDA device" if "gpus" in machine else "CUDA (no preflight report lists the GPUs)")
+    where = {"cuda": listed, "cpu": "the CPU (dry run)"}.get(device, "a device no check reported (--device auto)")
     print(f"\nGPU check on {where}: {time.perf_counter() - start:.0f} s, {counts['pass']} PASS, {counts['fail']} FAIL, "
           f"{counts['skip']} SKIP")
     print_table(rows)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.gpu_check import CHECKS, missing_module, resnet50_shapes
+import scripts.gpu_check as harness
+from scripts.gpu_check import CHECKS, Row, missing_module, missing_packages, resnet50_shapes
 
 pytestmark = pytest.mark.e2e
 
@@ -136,3 +137,63 @@ def test_a_python_without_torch_gets_one_line():
                             env={**os.environ, "PYTHON": python})
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("gpu_check: torch is not installed in ") and "PYTHON=" in result.stderr
+
+
+def test_without_pyyaml_and_tqdm_the_trainer_steps_still_run(tmp_path):
+    """A cluster's Python may lack PyYAML and tqdm: the trainer imports them only where it reads or writes YAML
+    or draws a bar, so the preflight reports the device (`auto`) and the trainer's own steps run."""
+    code, rows, err = gpu_check(tmp_path, "--only", "preflight", "train-resnet50", "train-transformer",
+                                hidden=("yaml", "tqdm"))
+    got = results(rows)
+    assert code == 0 and "FAIL" not in got.values(), err[-3000:]
+    assert got["preflight versions"] == "PASS"
+    if importable("torchvision"):
+        assert got["train resnet18 4 @ 32 px"] == got["train transformer-tiny 128 tokens"] == "PASS"
+
+
+@pytest.mark.unit
+def test_the_preflight_names_the_packages_our_imports_miss(tmp_path, monkeypatch):
+    (tmp_path / "needs_a_package").mkdir()
+    (tmp_path / "needs_a_package" / "__init__.py").write_text("import json\nimport a_package_nobody_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert missing_packages(["json", "needs_a_package"]) == ["a_package_nobody_installed"]
+    assert missing_packages(harness.REPOSITORY_MODULES) == []  # the test's Python has them all
+
+
+@pytest.mark.unit
+def test_a_package_the_preflight_finds_missing_stops_the_run_in_one_line(monkeypatch, capsys):
+    """No check runs after it (each would fail on the same import, or run as a CPU dry run): one line naming
+    the packages, nothing on stdout, exit status 2."""
+    ran = []
+
+    def child(name: str, device: str, timeout_s: float) -> tuple[list[Row], dict, float]:
+        ran.append((name, device))
+        return ([Row("preflight versions", "FAIL", "not installed in this Python: tqdm, yaml")],
+                {"device": "cuda", "missing": ["tqdm", "yaml"]}, 0.5)
+
+    monkeypatch.setattr(harness, "run_child", child)
+    assert harness.main(["--only", "lars"]) == 2
+    out, err = capsys.readouterr()
+    assert ran == [("preflight", "auto")] and out == ""
+    assert err.splitlines()[-1].startswith("gpu_check: tqdm, yaml not installed in ")
+    assert sum(line.startswith("gpu_check:") for line in err.splitlines()) == 1
+
+
+@pytest.mark.unit
+def test_a_preflight_that_died_without_a_report_is_no_cpu_dry_run(monkeypatch, capsys):
+    """--device auto where the preflight's process died before it reported the device (here on a GPU machine):
+    the next check resolves `auto` itself, in its own process; the parent never assumes the CPU."""
+    ran = []
+
+    def child(name: str, device: str, timeout_s: float) -> tuple[list[Row], dict, float]:
+        ran.append((name, device))
+        if name == "preflight":
+            return [Row("preflight", "FAIL", "the check's process exited with status 1 without a result")], {}, 0.5
+        return [Row("FusedLARS", "PASS", "161 tensors on cuda:0")], {"device": "cuda"}, 0.5
+
+    monkeypatch.setattr(harness, "run_child", child)
+    assert harness.main(["--only", "lars"]) == 1  # the preflight's FAIL
+    out = capsys.readouterr().out
+    assert ran == [("preflight", "auto"), ("lars", "auto")]
+    assert "GPU check on CUDA" in out and "dry run" not in out
+    assert json.loads(out.splitlines()[-1])["machine"]["device"] == "cuda"

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.e2e
 
@@ -80,3 +81,89 @@ def test_choosing_horovod_without_it_says_how_to_install_it():
     with pytest.raises(ConfigError, match=r"^dist.backend: horovod needs Horovod, which is not installed "
                                           r"\(run `make horovod`\)$"):
         setup_distributed(DistConfig(backend="horovod"))
+
+
+# ---------------------------------------------------------------- GPUs under an emulated layout (a fake Horovod)
+
+
+class FakeHorovod:
+    """The part of horovod.torch that setup_horovod uses, for one rank of `world` on one machine."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self._rank, self._world, self.initialized = rank, world, False
+        fake = self
+
+        class ProcessSet:
+            def __init__(self, ranks: list[int] | None = None) -> None:
+                self.ranks = ranks
+
+            def included(self) -> bool:
+                return self.ranks is None or fake._rank in self.ranks
+
+            def size(self) -> int:
+                return fake._world if self.ranks is None else len(self.ranks)
+
+            def rank(self) -> int:
+                return fake._rank if self.ranks is None else self.ranks.index(fake._rank)
+
+        self.ProcessSet = ProcessSet
+        self.global_process_set = ProcessSet()
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def init(self, process_sets: list | None = None) -> None:
+        self.initialized = True
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._world
+
+    def local_rank(self) -> int:
+        return self._rank  # one machine: its local rank is its rank
+
+    def local_size(self) -> int:
+        return self._world
+
+
+@pytest.mark.unit
+def test_emulated_nodes_on_one_machine_put_every_rank_on_its_own_gpu(monkeypatch):
+    """2 emulated nodes of 4 (dist.ranks_per_node=4) on one 8-GPU machine: the GPU follows the machine's local
+    rank (hvd.local_rank()), so ranks 0-7 take GPUs 0-7; the node layout is the emulated one."""
+    from trainer.dist import DistConfig
+    from trainer.dist import horovod_backend
+
+    selected = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)
+    monkeypatch.setenv("HOROVOD_SIZE", "8")  # what horovodrun -np 8 -H localhost:8 sets
+    monkeypatch.setenv("HOROVOD_LOCAL_SIZE", "8")
+    topos = []
+    for rank in range(8):
+        monkeypatch.setattr(horovod_backend, "hvd", FakeHorovod(rank, 8))
+        monkeypatch.setattr(horovod_backend, "_registered_sets", [])
+        topos.append(horovod_backend.setup_horovod(DistConfig(backend="horovod", ranks_per_node=4)))
+    assert [t.device for t in topos] == selected == [torch.device("cuda", r) for r in range(8)]
+    assert [t.local_rank for t in topos] == [0, 1, 2, 3, 0, 1, 2, 3]  # the emulated nodes' layout
+    assert all(t.ranks_per_node == 4 and t.world_size == 8 for t in topos)
+
+
+@pytest.mark.unit
+def test_horovod_sizes_that_disagree_with_the_launchers_variables_are_an_error(monkeypatch):
+    """The node process sets are made from HOROVOD_SIZE before hvd.init: a launcher that did not set it (or set
+    another) would get sets of the wrong ranks; hvd's sizes, read after init, catch it."""
+    from trainer.config import ConfigError
+    from trainer.dist import DistConfig
+    from trainer.dist import horovod_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("HOROVOD_SIZE", raising=False)
+    monkeypatch.delenv("HOROVOD_LOCAL_SIZE", raising=False)
+    monkeypatch.setattr(horovod_backend, "hvd", FakeHorovod(0, 8))
+    monkeypatch.setattr(horovod_backend, "_registered_sets", [])
+    with pytest.raises(ConfigError, match=r"^dist\.backend: horovod: 8 ranks, 8 on this machine, but HOROVOD_SIZE / "
+                                          r"HOROVOD_LOCAL_SIZE say 1 and 1: launch with horovodrun"):
+        horovod_backend.setup_horovod(DistConfig(backend="horovod"))

@@ -80,8 +80,8 @@ class DawnbenchWriter(Writer):
 
 def build_classification_data(cfg: Any, topo: Topology) -> Any:
     """This rank's share of the ImageNet-layout dataset of a root config `cfg` (its `data` section, train.seed),
-    through the multi-level cache."""
-    return build_image_data(cfg.data, topo.rank, topo.world_size, cfg.train.seed, topo.device)
+    through the multi-level cache, its batches of the element type the model trains at (train.amp)."""
+    return build_image_data(cfg.data, topo.rank, topo.world_size, cfg.train.seed, topo.device, amp=cfg.train.amp)
 
 
 def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:

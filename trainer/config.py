@@ -22,7 +22,8 @@ import types
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-import yaml
+# PyYAML is imported by the functions that read or write YAML, not here: the GPU check (scripts/gpu_check.py)
+# builds the trainer's components on a cluster's Python, which may not have it.
 
 T = TypeVar("T")
 
@@ -36,6 +37,8 @@ class ConfigError(ValueError):
 
 def load_yaml_chain(path: str | Path, _seen: tuple[Path, ...] = ()) -> tuple[dict, dict[str, Path]]:
     """Read `path` and its `base:` ancestors; return the merged dict and, per dotted key, the file that set it."""
+    import yaml
+
     path = Path(path).resolve()
     if path in _seen:
         chain = " -> ".join(str(p) for p in (*_seen, path))
@@ -80,6 +83,8 @@ def _dotted_keys(d: dict, prefix: str = "") -> list[str]:
 
 def parse_overrides(overrides: list[str]) -> dict:
     """`["optim.lr=0.5", "train.epochs=3"]` -> nested dict; values parsed as YAML, coerced later by type."""
+    import yaml
+
     out: dict = {}
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -246,6 +251,8 @@ def git_commit() -> str:
 
 def save_config(cfg: Any, path: str | Path) -> None:
     """Write the resolved config (with the git commit) so that it travels with the run."""
+    import yaml
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"git_commit": git_commit(), **to_dict(cfg)}
@@ -278,6 +285,8 @@ def _type_name(tp: Any) -> str:
 
 def reference(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
     """(dotted key, type, default, doc) for every field of a root config, sections expanded."""
+    import yaml
+
     rows = []
     hints, docs = get_type_hints(cls), field_docs(cls)
     for f in dataclasses.fields(cls):

@@ -14,10 +14,9 @@ import contextlib
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from tqdm import tqdm
 
 from trainer.checkpointer import Checkpointer
 from trainer.choices import ChoiceCache, Decision, cache_folder
@@ -27,12 +26,15 @@ from trainer.dist import ReplicaGuard, Topology, all_reduce_sum, broadcast_flag,
 from trainer.optim import optimizer_metrics, set_lr_momentum
 from trainer.precision import AMP_DTYPES, amp_candidates, autocast, build_grad_scaler
 from trainer.preemption import Preemption
-from trainer.progress import Meter, ProgressLines, build_progress_bar, print_plan, timed_next
+from trainer.progress import Meter, ProgressLines, build_progress_bar, print_plan, timed_next, write_line
 from trainer.run_choices import RunStep, settle
 from trainer.run_record import add_to_run_record
 from trainer.schedules import Phase, build_schedule
 from trainer.task import Task
 from trainer.train_config import Components, RunConfig
+
+if TYPE_CHECKING:  # trainer/progress.py imports it where a bar is drawn
+    from tqdm import tqdm
 
 
 class Trainer:
@@ -222,7 +224,7 @@ class Trainer:
             return
         self.skipped_steps, self.skipped_in_a_row = self.skipped_steps + 1, self.skipped_in_a_row + 1
         if self.topo.is_main:
-            tqdm.write(f"step {self.step + 1}: non-finite gradients, step skipped (loss scale now "
+            write_line(f"step {self.step + 1}: non-finite gradients, step skipped (loss scale now "
                        f"{self.scaler.get_scale():g}; {self.skipped_steps} skipped so far)")
         if self.skipped_in_a_row >= self.train_cfg.max_skipped_steps:
             raise FloatingPointError(

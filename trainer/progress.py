@@ -10,15 +10,17 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from trainer.dist import Topology
 from trainer.schedules import Phase, Schedule
 from trainer.task import Task
+
+if TYPE_CHECKING:  # imported where a bar is drawn: the GPU check runs the trainer's step on Pythons without tqdm
+    from tqdm import tqdm
 
 
 @dataclass
@@ -67,6 +69,17 @@ class ProgressLines:
         pass
 
 
+def write_line(line: str) -> None:
+    """Print `line` on stdout without breaking a live tqdm bar (tqdm.write); a plain print where tqdm is not
+    installed (the GPU check runs the trainer's step on such Pythons)."""
+    try:
+        from tqdm import tqdm
+    except ModuleNotFoundError:
+        print(line, flush=True)
+        return
+    tqdm.write(line)
+
+
 def build_progress_bar(steps: list[int], epoch: int, step_in_epoch: int, show: bool,
                        every: int) -> tqdm | ProgressLines:
     """The run's steps (`steps` per epoch), starting at `step_in_epoch` of `epoch` (where a resumed run left off),
@@ -77,6 +90,8 @@ def build_progress_bar(steps: list[int], epoch: int, step_in_epoch: int, show: b
     done = min(total, sum(steps[:epoch]) + step_in_epoch)
     if show and not sys.stderr.isatty():
         return ProgressLines(total, done, every)
+    from tqdm import tqdm
+
     return tqdm(total=total, initial=done, unit="step", dynamic_ncols=True, disable=not show)
 
 

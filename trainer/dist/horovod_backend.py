@@ -87,6 +87,8 @@ def setup_horovod(cfg: DistConfig) -> Topology:
     """Initialise Horovod with the node process sets; the Topology the rest of the trainer uses."""
     if hvd is None:
         raise ConfigError("dist.backend: horovod needs Horovod, which is not installed (run `make horovod`)")
+    # the node process sets are fixed at hvd.init, so their layout comes from horovodrun's variables; hvd's own
+    # sizes, read after init, must agree
     world = int(os.environ.get("HOROVOD_SIZE", "1"))
     per_node = cfg.ranks_per_node or int(os.environ.get("HOROVOD_LOCAL_SIZE", str(world)))
     nodes, peers = node_layout(world, per_node)
@@ -99,11 +101,17 @@ def setup_horovod(cfg: DistConfig) -> Topology:
         sets = [hvd.ProcessSet(r) for r in nodes + peers] if split else []
         hvd.init(process_sets=sets or None)
         _registered_sets[:] = sets
+    if (hvd.size(), cfg.ranks_per_node or hvd.local_size()) != (world, per_node):
+        raise ConfigError(f"dist.backend: horovod: {hvd.size()} ranks, {hvd.local_size()} on this machine, but "
+                          f"HOROVOD_SIZE / HOROVOD_LOCAL_SIZE say {world} and {per_node}: launch with horovodrun, "
+                          "which sets them (the node process sets are made from them before hvd.init)")
     rank = hvd.rank()
-    local_rank = rank % per_node if cfg.ranks_per_node else hvd.local_rank()
-    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    if device.type == "cuda":
+    local_rank = rank % per_node if cfg.ranks_per_node else hvd.local_rank()  # the (emulated) node's layout
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        # the machine's own local rank picks the GPU, whatever the emulated layout: 2 emulated nodes of 4 on
+        # one 8-GPU machine use GPUs 0-7, not 0-3 twice
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
         torch.cuda.set_device(device)
     topo = Topology(rank=rank, world_size=hvd.size(), local_rank=local_rank, ranks_per_node=per_node, device=device,
                     backend="horovod")
