@@ -21,14 +21,26 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
 
 HIDE = """import importlib.abc
+import importlib.machinery
 import sys
 
 HIDDEN = {hidden!r}
+AT_IMPORT = {at_import!r}
+
+
+class Refuse(importlib.abc.Loader):
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"No module named {{spec.name!r}} (hidden by the test)", name=spec.name)
+
+    def exec_module(self, module):
+        pass
 
 
 class Hide(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if any(name == h or name.startswith(h + ".") for h in HIDDEN):
+            if AT_IMPORT:  # found (without a file), but importing it fails
+                return importlib.machinery.ModuleSpec(name, Refuse())
             raise ModuleNotFoundError(f"No module named {{name!r}} (hidden by the test)", name=name)
         return None
 
@@ -38,13 +50,15 @@ sys.meta_path.insert(0, Hide())
 
 
 def gpu_check(tmp_path: Path, *args: str, hidden: tuple[str, ...] = (), env: dict | None = None,
-              timeout: float = 600) -> tuple[int, list[dict], str]:
-    """Runs scripts/gpu_check.sh with this interpreter; (exit status, rows of the last line's JSON, stderr)."""
+              timeout: float = 600, at_import: bool = False) -> tuple[int, list[dict], str]:
+    """Runs scripts/gpu_check.sh with this interpreter; (exit status, rows of the last line's JSON, stderr).
+    `at_import`: the hidden packages fail when imported, not when looked up (torch's compiler looks some up,
+    tqdm among them, with importlib.util.find_spec, which a missing package answers with None)."""
     paths = [str(ROOT)]
     if hidden:
         site = tmp_path / "site"
         site.mkdir()
-        (site / "sitecustomize.py").write_text(HIDE.format(hidden=list(hidden)))
+        (site / "sitecustomize.py").write_text(HIDE.format(hidden=list(hidden), at_import=at_import))
         paths.insert(0, str(site))
     run_env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=os.pathsep.join(paths), **(env or {}))
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args], cwd=ROOT, env=run_env,
@@ -143,7 +157,7 @@ def test_without_pyyaml_and_tqdm_the_trainer_steps_still_run(tmp_path):
     """A cluster's Python may lack PyYAML and tqdm: the trainer imports them only where it reads or writes YAML
     or draws a bar, so the preflight reports the device (`auto`) and the trainer's own steps run."""
     code, rows, err = gpu_check(tmp_path, "--only", "preflight", "train-resnet50", "train-transformer",
-                                hidden=("yaml", "tqdm"))
+                                hidden=("yaml", "tqdm"), at_import=True)
     got = results(rows)
     assert code == 0 and "FAIL" not in got.values(), err[-3000:]
     assert got["preflight versions"] == "PASS"
