@@ -242,13 +242,18 @@ def paired(ratio: float | None) -> str:
 
 
 def tta_headline(r: dict[str, Any]) -> str:
-    """The README's cell: per headline target the median ratio, the seeds in it, and each side's misses."""
+    """The README's cell: per headline target the median ratio, the seeds in it, the range of the paired ratios
+    and each side's misses; whether the recipe's measured choices came from the machine's cache."""
     def one(t: str) -> str:
         e = r["targets"][t]
         missed = [f"{side} missed {len(e['missed'][side])}" for side in ("baseline", "recipe") if e["missed"][side]]
+        spread = [] if e["range"][0] is None else [f"range {e['range'][0]:.3f}-{e['range'][1]:.3f}"]
         return (f"{paired(e['ratio'])} at {100 * float(t):g}% ({e['seeds_in_median']} of {len(e['seeds'])} seeds"
-                + "".join(f"; {m}" for m in missed) + ")")
-    return "; ".join(one(t) for t in r["headline"])
+                + "".join(f"; {m}" for m in [*spread, *missed]) + ")")
+    recipe = [run for run in r.get("runs", []) if run["side"] == "recipe"]
+    cached = bool(recipe) and all((run.get("choices") or {}).get("source") == "cache" for run in recipe)
+    return "; ".join(one(t) for t in r["headline"]) + ("; the recipe's measured choices read from this machine's "
+                                                        "cache" if cached else "")
 
 
 def tta(r: dict[str, Any]) -> list[str]:

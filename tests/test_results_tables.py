@@ -122,6 +122,17 @@ def test_tta_accuracy_names_the_configs_frozen_for_each_target() -> None:
     assert "not recorded" in results_tables.tta_accuracy({})
 
 
+def test_tta_headline_gives_the_range_misses_and_whether_the_choices_were_cached() -> None:
+    target = {"ratio": 0.8, "seeds": [100, 101, 102], "seeds_in_median": 2, "range": [0.7, 0.9],
+              "missed": {"baseline": [102], "recipe": []}}
+    runs = [{"side": "recipe", "choices": {"source": "cache"}}, {"side": "baseline", "choices": {}}]
+    r = {"headline": ["0.7"], "targets": {"0.7": target}, "runs": runs}
+    assert results_tables.tta_headline(r) == ("0.800 at 70% (2 of 3 seeds; range 0.700-0.900; baseline missed 1); "
+                                              "the recipe's measured choices read from this machine's cache")
+    runs[0]["choices"]["source"] = "measured"
+    assert "cache" not in results_tables.tta_headline(r)
+
+
 def test_a_per_machine_bench_renders_each_machines_file(tmp_path: Path) -> None:
     record = json.loads(next(RESULTS_DIR.glob("tta-*.json")).read_text())
     for name, cpu in (("tta-one", "CPU One"), ("tta-two", "CPU Two")):

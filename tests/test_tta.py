@@ -135,6 +135,11 @@ def test_each_machine_gets_its_own_results_file():
     assert name({"cpu": "Apple M2", "cpu_flags": []}) == "tta-apple-m2"
 
 
+def test_compare_refuses_two_runs_of_one_side_and_seed():
+    with pytest.raises(ValueError, match="two baseline runs of seed 100"):
+        compare([run("baseline", 100, 50.0), run("baseline", 100, 60.0), run("recipe", 100, 20.0)], 0.9, 2)
+
+
 def test_compare_needs_both_sides_of_every_seed():
     with pytest.raises(ValueError, match=r"incomplete: \[101\]"):
         compare([run("baseline", 100, 1.0), run("recipe", 100, 1.0), run("baseline", 101, 1.0)], 0.9, 2)
@@ -298,30 +303,38 @@ def test_the_baselines_ema_updates_every_n_steps_and_copies_the_weights_during_w
     assert same == warming_up  # the last step (index 2) updated it: a copy when warming up, an average if not
 
 
-@pytest.mark.parametrize("model_ema", [False, True])
-def test_the_baseline_evaluates_the_average_with_model_ema(photos, tmp_path, monkeypatch, model_ema):
-    """With --model-ema every evaluation scores the moving average, never the trained weights; without it, the
-    trained weights."""
+def _evaluated(rank: int, world: int, argv: list[str]) -> tuple[list[bool], bool]:
+    """The baseline in a rank of its own: for each evaluation whether it scored the moving average, and whether
+    the last evaluation's weights differ from the trained model's."""
     from torch.optim.swa_utils import AveragedModel
 
     seen: list[tuple[bool, list[torch.Tensor]]] = []
-    evaluate = tta_baseline.evaluate
+    trained: list[torch.nn.Module] = []
+    evaluate, build_ema = tta_baseline.evaluate, tta_baseline.build_ema
 
     def spy(model, loader, memory_format):
         seen.append((isinstance(model, AveragedModel), [p.detach().clone() for p in model.parameters()]))
         return evaluate(model, loader, memory_format)
 
-    trained: list[torch.nn.Module] = []
-    build_ema = tta_baseline.build_ema
-    monkeypatch.setattr(tta_baseline, "evaluate", spy)
-    monkeypatch.setattr(tta_baseline, "build_ema", lambda model, *a: trained.append(model) or build_ema(model, *a))
-    tta_baseline.main(["--config", tta.BASELINE_CONFIG, f"--data-path={photos}", "--workers=0", "--batch-size=2",
-                       "--train-crop-size=16", "--val-resize-size=18", "--val-crop-size=16", "--epochs=2",
-                       f"--output-dir={tmp_path}", "--model-ema-steps=1", "--model-ema-decay=0.9",
-                       "--model-ema" if model_ema else "--no-model-ema"])
-    assert [is_average for is_average, _ in seen] == [model_ema, model_ema]  # one evaluation per epoch
+    tta_baseline.evaluate = spy
+    tta_baseline.build_ema = lambda model, *a: trained.append(model) or build_ema(model, *a)
+    tta_baseline.main(argv)
     weights = [p.detach() for p in trained[0].parameters()]
-    differs = any(not torch.equal(a, b) for a, b in zip(seen[-1][1], weights))
+    return [is_average for is_average, _ in seen], any(not torch.equal(a, b) for a, b in zip(seen[-1][1], weights))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("model_ema", [False, True])
+def test_the_baseline_evaluates_the_average_with_model_ema(photos, tmp_path, model_ema):
+    """With --model-ema every evaluation scores the moving average, never the trained weights; without it, the
+    trained weights."""
+    argv = ["--config", tta.BASELINE_CONFIG, f"--data-path={photos}", "--workers=0", "--batch-size=2",
+            "--train-crop-size=16", "--val-resize-size=18", "--val-crop-size=16", "--epochs=2",
+            f"--output-dir={tmp_path / 'run'}", "--model-ema-steps=1", "--model-ema-decay=0.9",
+            "--model-ema" if model_ema else "--no-model-ema"]
+    (tmp_path / "group").mkdir()
+    [(averages, differs)] = run_ranks(_evaluated, 1, tmp_path / "group", argv, timeout=300.0)
+    assert averages == [model_ema, model_ema]  # one evaluation per epoch
     assert differs == model_ema  # the last evaluation scored the average (it lags the trained weights) or them
 
 

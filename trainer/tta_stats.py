@@ -165,10 +165,13 @@ def seed_order(first_seed: int, seeds: int) -> list[tuple[int, str]]:
 
 
 def by_seed(runs: Sequence[Run]) -> dict[int, dict[str, Run]]:
-    """{seed: {side: run}}; ValueError unless every seed has one run of each side."""
+    """{seed: {side: run}}; ValueError unless every seed has exactly one run of each side."""
     out: dict[int, dict[str, Run]] = {}
     for r in runs:
-        out.setdefault(r.seed, {})[r.side] = r
+        if r.side in out.setdefault(r.seed, {}):
+            raise ValueError(f"compare: two {r.side} runs of seed {r.seed} ({out[r.seed][r.side].run_dir}, "
+                             f"{r.run_dir}): read each target from one config's runs")
+        out[r.seed][r.side] = r
     incomplete = [s for s in sorted(out) if set(out[s]) != set(SIDES)]
     if not out or incomplete:
         raise ValueError(f"compare: every seed needs one run of each side (incomplete: {incomplete or 'no runs'})")

@@ -58,7 +58,7 @@ def record_run(args: argparse.Namespace) -> None:
     argument handling call it themselves)."""
     _run.update(results_dir=getattr(args, "results_dir", ""), quick=bool(getattr(args, "quick", False)),
                 threads=getattr(args, "threads", None), device=str(getattr(args, "device", "cpu")),
-                load_at_start=os.getloadavg())
+                load_at_start=os.getloadavg(), commit=commit())  # the code the run starts with
 
 
 def machine() -> dict[str, Any]:
@@ -76,13 +76,14 @@ def commit() -> str:
 
 
 def write_result(result: Mapping[str, Any]) -> Path | None:
-    """Write `result` with its provenance (date, machine, commit, command, load) to the results folder."""
+    """Write `result` with its provenance (date, machine, the commit the run started at, command, load) to the
+    results folder."""
     folder = _run.get("results_dir", str(RESULTS_DIR))
     if not folder:
         return None
     name = f"{result['bench']}{'.quick' if _run.get('quick') else ''}.json"
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "commit": commit(),
+              "machine": machine(), "commit": _run.get("commit") or commit(),
               "command": shlex.join([Path(sys.executable).name, "-m", _module_name(), *sys.argv[1:]]),
               "threads": _run.get("threads"), "device": _run.get("device"), "quick": _run.get("quick", False),
               "load_avg_1min": {"start": _run.get("load_at_start", (None,))[0], "end": os.getloadavg()[0]},

@@ -25,8 +25,8 @@ read from the runs of the configs frozen for it:
       (ImageFolder + DataLoader, PIL decodes every JPEG every epoch, one fixed image size, SGD + warm-up + cosine,
       DDP dense allreduce, fp32: the reference's --amp is CUDA-only), tuned with the reference's flags;
   (b) recipe: `recipes.resnet50 --config configs/tta_recipe_cpu.yaml` (DALI CPU mode behind the multi-level cache,
-      empty at the start of each run so its fill is timed; progressive resizing; LARS; label smoothing; the
-      communicator, precision, memory layout and convolutions measured at start-up: comm.kind, train.amp,
+      empty at the start of each run so its fill is timed; progressive resizing; LARS; the weights' moving average;
+      the communicator, precision, memory layout and convolutions measured at start-up: comm.kind, train.amp,
       train.channels_last, model.small_map_gemm all auto), tuned with its config keys; the seconds its measured
       choices take before its clock (none when this machine's cache has them) count in its time.
 
