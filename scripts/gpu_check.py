@@ -29,6 +29,7 @@ import importlib
 import importlib.util
 import itertools
 import json
+import math
 import os
 import platform
 import signal
@@ -978,8 +979,24 @@ def run_one(name: str, device_name: str, result_file: str) -> int:
     except Exception as err:  # noqa: BLE001 - the check's failure is its result
         traceback.print_exc()
         rows = [Row(name, "FAIL", f"{type(err).__name__}: {err}".splitlines()[0][:400])]
-    Path(result_file).write_text(json.dumps({"rows": [asdict(r) for r in rows], "machine": MACHINE}))
+    Path(result_file).write_text(strict_json({"rows": [asdict(r) for r in rows], "machine": MACHINE}))
     return 0
+
+
+def finite(value: Any) -> Any:
+    """`value` with every non-finite float (a NaN loss, an infinite rate) as the string 'nan', 'inf' or '-inf'."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def strict_json(value: Any) -> str:
+    """JSON that any parser reads: non-finite floats written as strings (`finite`)."""
+    return json.dumps(finite(value), allow_nan=False)
 
 
 # ---------------------------------------------------------------- parent: every check, one table
@@ -1082,7 +1099,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nGPU check on {where}: {time.perf_counter() - start:.0f} s, {counts['pass']} PASS, {counts['fail']} FAIL, "
           f"{counts['skip']} SKIP")
     print_table(rows)
-    print(json.dumps({"bench": "gpu_check", "rows": rows, **counts, "machine": machine}), flush=True)
+    print(strict_json({"bench": "gpu_check", "rows": rows, **counts, "machine": machine}), flush=True)
     return 1 if counts["fail"] else 0
 
 

@@ -211,3 +211,22 @@ def test_a_preflight_that_died_without_a_report_is_no_cpu_dry_run(monkeypatch, c
     assert ran == [("preflight", "auto"), ("lars", "auto")]
     assert "GPU check on CUDA" in out and "dry run" not in out
     assert json.loads(out.splitlines()[-1])["machine"]["device"] == "cuda"
+
+
+@pytest.mark.unit
+def test_a_nan_loss_leaves_the_last_line_strict_json(monkeypatch, capsys):
+    """A check whose values hold NaN or infinity (a diverged loss) still ends the run in JSON a strict parser
+    reads, the values written as strings."""
+    def child(name: str, device: str, timeout_s: float) -> tuple[list[Row], dict, float]:
+        if name == "preflight":
+            return [Row("preflight versions", "PASS", "ok")], {"device": "cpu"}, 0.1
+        return [Row("train", "FAIL", "loss nan", {"loss": float("nan"), "per_s": float("inf"),
+                                                  "curve": [1.0, float("-inf")]})], {}, 0.1
+
+    monkeypatch.setattr(harness, "run_child", child)
+    assert harness.main(["--only", "lars"]) == 1
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not strict JSON: {constant}")
+    last = json.loads(capsys.readouterr().out.splitlines()[-1], parse_constant=refuse)
+    assert last["rows"][-1]["values"] == {"loss": "nan", "per_s": "inf", "curve": [1.0, "-inf"]}
