@@ -20,7 +20,7 @@ ARGS ?=
 # newest checkpoint by themselves (train.resume: auto).
 MAX_RESTARTS ?= 3
 
-.PHONY: help setup test test-fast test-cluster horovod quickstart quickstart-2x2 digits resnet50-dawnbench resnet50-1node tensorboard bench \
+.PHONY: help setup test test-fast test-long test-cluster horovod quickstart quickstart-2x2 digits resnet50-dawnbench resnet50-1node tensorboard bench \
 	transformer-quickstart transformer-wmt prepare-imagenet prepare-wmt
 
 ## list the targets with what each does
@@ -41,7 +41,8 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 # The tiers (tests/conftest.py): unit (no processes), dist (real gloo process groups), e2e (training runs,
-# torchrun, faults), cluster (root: network namespaces, tmpfs mounts). -rs lists every skip with its reason.
+# torchrun, faults), long (tests of 15 s or more each), cluster (root: network namespaces, tmpfs mounts). -rs
+# lists every skip with its reason.
 ## the unit tier: no processes, a few minutes (run it on every edit)
 test-fast: setup
 	$(PY) -m pytest tests -q -rs --tier unit
@@ -49,6 +50,10 @@ test-fast: setup
 ## run the test suite: the unit, dist and e2e tiers (real gloo process groups, real files; no GPU needed)
 test: setup
 	$(PY) -m pytest tests -q -rs --tier unit,dist,e2e
+
+## the long tier: tests of the other tiers that take 15 s or more each; CI runs it after make test
+test-long: setup
+	$(PY) -m pytest tests -q -rs --tier long
 
 ## the cluster tier (needs root: network namespaces, tmpfs mounts); CI runs it after make test
 test-cluster: setup

@@ -3,9 +3,11 @@ the test tiers.
 
 Every test belongs to one tier, its closest tier marker (a test's own marker overrides its module's
 `pytestmark`): unit (no processes: milliseconds to seconds), dist (real gloo process groups), e2e (training
-runs, torchrun launches, faults), cluster (needs root: network namespaces, tmpfs mounts, a Slurm daemon), gpu
-(needs CUDA). `--tier unit,dist` runs those tiers (`make test-fast`: unit; `make test`: unit, dist, e2e;
-`make test-cluster`: cluster); a test without a tier stops the collection, naming it."""
+runs, torchrun launches, faults), long (tests of the other tiers that take 15 s or more each on 2 cores:
+repeated recipe runs, timeouts waited out, the GPU check's dry run), cluster (needs root: network namespaces,
+tmpfs mounts, a Slurm daemon), gpu (needs CUDA). `--tier unit,dist` runs those tiers (`make test-fast`: unit;
+`make test`: unit, dist, e2e; `make test-long`: long; `make test-cluster`: cluster; CI runs all but gpu); a
+test without a tier stops the collection, naming it."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 from trainer import testing
 
 ROOT = Path(__file__).resolve().parent.parent
-TIERS = ("unit", "dist", "e2e", "cluster", "gpu")
+TIERS = ("unit", "dist", "e2e", "long", "cluster", "gpu")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -243,6 +243,7 @@ def _peer_never_joins(rank: int, world: int, kind: str, per_node: int) -> None:
     os._exit(0)  # the group is unusable after a timeout; skip the harness's closing barrier
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kind,world,per_node", [("dense", 2, 0), ("topk", 2, 0), ("hitopk", 4, 2)])
 def test_a_peer_that_never_joins_raises_a_timeout_error(tmp_path, kind, world, per_node):
     run_ranks(_peer_never_joins, world, tmp_path, kind, per_node)
@@ -260,6 +261,7 @@ def _recipes(rank: int, world: int, workdir: Path, runs: list[list[str]]) -> Non
         main(argv)
 
 
+@pytest.mark.long
 def test_hitopk_run_resumes_bitwise(tmp_path, digits_root):
     """A 2-rank recipe run with hitopk, stopped after epoch 2 and resumed from that epoch's checkpoint with
     --resume, ends with the uninterrupted run's weights and residuals. The uninterrupted run and the first part

@@ -169,7 +169,7 @@ def test_the_knobs_are_off_by_default():
 # ---------------------------------------------------------------- the recipe
 
 
-@pytest.mark.e2e
+@pytest.mark.long
 def test_resume_with_the_average_is_bitwise_and_export_takes_it(tmp_path, digits_root):
     from trainer.export import main as export
     from tests.test_trainer import TINY, straight_and_resumed

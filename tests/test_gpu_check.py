@@ -78,6 +78,7 @@ def importable(name: str) -> bool:
     return missing_module(name) is None
 
 
+@pytest.mark.long
 def test_the_cpu_dry_run_passes_every_check_it_can_run(tmp_path):
     code, rows, err = gpu_check(tmp_path, "--device", "cpu")
     got = results(rows)

@@ -160,6 +160,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.long
 def test_a_stopped_rank_is_named_in_a_timeout_error(tmp_path, digits_root):
     """Rank 1 SIGSTOPs itself in step 3: rank 0 fails with an error naming it and the collective, and exits
     non-zero instead of hanging (under torchrun, the launcher then stops the job)."""
