@@ -250,8 +250,8 @@ def tta_headline(r: dict[str, Any]) -> str:
         spread = [] if e["range"][0] is None else [f"range {e['range'][0]:.3f}-{e['range'][1]:.3f}"]
         return (f"{paired(e['ratio'])} at {100 * float(t):g}% ({e['seeds_in_median']} of {len(e['seeds'])} seeds"
                 + "".join(f"; {m}" for m in [*spread, *missed]) + ")")
-    recipe = [run for run in r.get("runs", []) if run["side"] == "recipe"]
-    cached = bool(recipe) and all((run.get("choices") or {}).get("source") == "cache" for run in recipe)
+    choices = recipe_choices(r)
+    cached = bool(choices) and all(c.get("source") == "cache" for c in choices)
     return "; ".join(one(t) for t in r["headline"]) + ("; the recipe's measured choices read from this machine's "
                                                         "cache" if cached else "")
 
@@ -287,10 +287,14 @@ def tta(r: dict[str, Any]) -> list[str]:
             f"{recipe_precision(r)}"]
 
 
+def recipe_choices(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each recipe run's measured choices and how they were reached (its env.json's; {} where none)."""
+    return [run.get("choices") or {} for run in r.get("runs", []) if run["side"] == "recipe"]
+
+
 def recipe_precision(r: dict[str, Any]) -> str:
     """How the recipe's precision was set, and, where it was measured, what each run chose."""
-    chosen = sorted({str(((run.get("choices") or {}).get("choice") or {}).get("amp"))
-                     for run in r.get("runs", []) if run["side"] == "recipe"} - {"None"})
+    chosen = sorted({str((c.get("choice") or {}).get("amp")) for c in recipe_choices(r)} - {"None"})
     if not chosen:
         return f"The recipe ran in {r['recipe_precision']}."
     return (f"The recipe's precision: {r['recipe_precision']}; its runs chose train.amp "
@@ -352,10 +356,11 @@ def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive
                      *["missed" if i is None else f"{run['elapsed_s'][i]:.1f} (epoch {i + 1})" for i in at],
                      f"{run['load_before']:.1f} → {run['load_after']:.1f}"])
     tuning = [r for r in runs if ablation_kind(r) is None]
-    counts = "; ".join(
-        f"{cpu}, {side}: {len(mine)} runs, {sum(r['load_before'] < QUIET_LOAD for r in mine)} of them alone"
-        for cpu, side in sorted({(r.get("cpu", "?"), r["side"]) for r in tuning})
-        if (mine := [r for r in tuning if (r.get("cpu", "?"), r["side"]) == (cpu, side)]))
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in tuning:
+        groups.setdefault((r.get("cpu", "?"), r["side"]), []).append(r)
+    counts = "; ".join(f"{cpu}, {side}: {len(mine)} runs, {sum(r['load_before'] < QUIET_LOAD for r in mine)} of them "
+                       "alone" for (cpu, side), mine in sorted(groups.items()))
     if len(tuning) < len(runs):
         counts += f" (and {len(runs) - len(tuning)} ablation runs of the recipe, listed too, not counted)"
     return [*table(["machine", "date (UTC)", "commit", "side", "overrides", "seed", "last top-1",

@@ -75,6 +75,11 @@ def commit() -> str:
     return git_commit()
 
 
+def start_commit() -> str:
+    """The commit the run started at (recorded by `record_run`; now, for a run that did not call it)."""
+    return _run.get("commit") or commit()
+
+
 def write_result(result: Mapping[str, Any]) -> Path | None:
     """Write `result` with its provenance (date, machine, the commit the run started at, command, load) to the
     results folder."""
@@ -83,7 +88,7 @@ def write_result(result: Mapping[str, Any]) -> Path | None:
         return None
     name = f"{result['bench']}{'.quick' if _run.get('quick') else ''}.json"
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "commit": _run.get("commit") or commit(),
+              "machine": machine(), "commit": start_commit(),
               "command": shlex.join([Path(sys.executable).name, "-m", _module_name(), *sys.argv[1:]]),
               "threads": _run.get("threads"), "device": _run.get("device"), "quick": _run.get("quick", False),
               "load_avg_1min": {"start": _run.get("load_at_start", (None,))[0], "end": os.getloadavg()[0]},

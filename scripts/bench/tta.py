@@ -101,9 +101,14 @@ def runs_for(runs: Sequence[Run], target: float) -> list[Run]:
     return [r for r in runs if r.config == config_for(r.side, target)]
 
 
+def run_label(side: str, config: str) -> str:
+    """SIDE, or SIDE-CONFIGSTEM where the side runs several configs."""
+    return side if len(side_configs(side)) == 1 else f"{side}-{Path(config).stem}"
+
+
 def run_folder(side: str, config: str, seed: int) -> str:
-    """SIDE_seedN, or SIDE-CONFIGSTEM_seedN where the side runs several configs."""
-    return f"{side}_seed{seed}" if len(side_configs(side)) == 1 else f"{side}-{Path(config).stem}_seed{seed}"
+    """A run's folder: its label and seed (SIDE_seedN, SIDE-CONFIGSTEM_seedN)."""
+    return f"{run_label(side, config)}_seed{seed}"
 
 
 # ---------------------------------------------------------------- one run
@@ -164,9 +169,9 @@ def run_side(side: str, config: str, seed: int, out: Path, targets: Sequence[flo
             seconds = common.run_logged(recipe_cmd(config, run_dir, Path(disk), Path(ram), seed,
                                         [*recipe_overrides, *overrides]), run_dir)
     r = read_run(side, seed, run_dir, seconds, load_before, os.getloadavg()[0], config)
-    print(f"  {side} ({config}) seed {seed}: {times_text(r, targets, consecutive)}; final top-1 {100 * r.final_top1:.2f}%, "
-          f"best {100 * r.best_top1:.2f}% in {len(r.top1)} epochs, process {r.process_s:.1f} s, load "
-          f"{load_before:.1f} -> {r.load_after:.1f}", flush=True)
+    print(f"  {side} ({config}) seed {seed}: {times_text(r, targets, consecutive)}; final top-1 "
+          f"{100 * r.final_top1:.2f}%, best {100 * r.best_top1:.2f}% in {len(r.top1)} epochs, process "
+          f"{r.process_s:.1f} s, load {load_before:.1f} -> {r.load_after:.1f}", flush=True)
     (run_dir / "run.json").write_text(json.dumps({**asdict(r), "target_consecutive": consecutive}, indent=1) + "\n")
     return r
 
@@ -320,12 +325,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         runs, consecutive = load_runs(args.from_runs)
         return finish(runs, args.from_runs, args.targets, consecutive, precision, seeds)
     if args.tune is not None:
-        commit = common.commit()  # before the runs: the history file they append to is tracked
         config = args.config or config_for(args.tune, HEADLINE[0])
         runs = [run_side(args.tune, config, seed, out, args.targets, args.consecutive, args.set, precision_overrides)
                 for seed in args.tuning_seeds]
-        path = append_tuning(runs, args.tune, args.set, args.targets, args.consecutive, precision, commit=commit,
-                             config=config, purpose="ablation" if args.ablation else "tuning")
+        path = append_tuning(runs, args.tune, args.set, args.targets, args.consecutive, precision,
+                             commit=common.start_commit(), config=config,
+                             purpose="ablation" if args.ablation else "tuning")
         line = {"bench": "tta-tuning", "side": args.tune, "config": config, "overrides": args.set,
                 "seeds": args.tuning_seeds,
                 "time_to_s": [{f"{t:g}": r.time_to(t, args.consecutive) for t in args.targets} for r in runs],
@@ -354,7 +359,7 @@ def finish(runs: Sequence[Run], out: Path, targets: Sequence[float], consecutive
     from trainer.tta_plot import plot
 
     png = plot([Path(r.run_dir) for r in runs], out / "tta.png", "top1", min(HEADLINE),
-               [f"{run_folder(r.side, r.config, r.seed).rsplit('_seed', 1)[0]} (seed {r.seed})" for r in runs],
+               [f"{run_label(r.side, r.config)} (seed {r.seed})" for r in runs],
                [SIDE_COLORS[r.side] for r in runs])
     by_target = {f"{t:g}": compare(runs_for(runs, t), t, consecutive) for t in sorted(set(targets) | set(HEADLINE))}
     report(runs, by_target, consecutive)
