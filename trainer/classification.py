@@ -84,10 +84,11 @@ def build_classification_data(cfg: Any, topo: Topology) -> Any:
     return build_image_data(cfg.data, topo.rank, topo.world_size, cfg.train.seed, topo.device, amp=cfg.train.amp)
 
 
-def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
-    """Number of top-1 and top-5 hits (top-k capped at the number of classes)."""
+def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The numbers of top-1 and top-5 hits (top-k capped at the number of classes), as a 2-element tensor on
+    the logits' device: nothing is read back to the host."""
     top = logits.topk(min(5, logits.shape[1]), dim=1).indices
-    return int((top[:, 0] == labels).sum()), int((top == labels[:, None]).any(dim=1).sum())
+    return torch.stack([(top[:, 0] == labels).sum(), (top == labels[:, None]).any(dim=1).sum()])
 
 
 def flip_averaged_log_probs(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
@@ -230,14 +231,17 @@ class ClassificationTask(Task):
         model.eval()
         size = phase.val_image_size or phase.image_size
         loader = self.data.val_loader(size, max(1, self.per_rank_batch(phase)))
-        hits1 = hits5 = count = loss_sum = 0.0
+        # top-1 hits, top-5 hits, summed loss: accumulated on the device and read back once, after the
+        # reduction (a host read per batch would stall a GPU's queue every batch); the image count is the host's
+        sums, count = torch.zeros(4, dtype=torch.float64, device=self.topo.device), 0
         for images, labels in loader:
             images, labels = self.to_device(images, labels)
             logits = flip_averaged_log_probs(model, images) if self.eval_flip else model(images)
-            loss_sum += float(nn.functional.cross_entropy(logits.float(), labels, reduction="sum"))
-            h1, h5 = accuracy_counts(logits, labels)
-            hits1, hits5, count = hits1 + h1, hits5 + h5, count + len(labels)
-        hits1, hits5, count, loss_sum = all_reduce_sum([hits1, hits5, count, loss_sum], self.topo)
+            sums[:2] += accuracy_counts(logits, labels)
+            sums[2] += nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+            count += len(labels)
+        sums[3] = count
+        hits1, hits5, loss_sum, count = all_reduce_sum(sums, self.topo)
         flip = {"eval/flip": 1.0} if self.eval_flip else {}
         return {"eval/top1": hits1 / count, "eval/top5": hits5 / count, "eval/loss": loss_sum / count,
                 "eval/images": count, **self.eval_weights.metrics(), **flip}

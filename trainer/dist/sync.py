@@ -16,9 +16,11 @@ class ReplicaDivergenceError(RuntimeError):
     """The ranks' copies of the weights are no longer bitwise equal."""
 
 
-def all_reduce_sum(values: list[float], topo: Topology) -> list[float]:
-    """Sum a few Python numbers over all ranks (eval counts, loss sums)."""
-    t = torch.tensor(values, dtype=torch.float64, device=topo.device)
+def all_reduce_sum(values: list[float] | torch.Tensor, topo: Topology) -> list[float]:
+    """Sum a few numbers over all ranks (eval counts, loss sums): Python numbers, or a 1-D tensor of them
+    accumulated on the device (float64 on every backend), read back once, after the reduction."""
+    t = (values.to(device=topo.device, dtype=torch.float64) if isinstance(values, torch.Tensor)
+         else torch.tensor(values, dtype=torch.float64, device=topo.device))
     return topo.world.all_reduce_(t, "all_reduce_sum").tolist()
 
 
