@@ -147,6 +147,12 @@ class FusedLARS(Optimizer):
     trust_clip instead bounds lr * ratio by lr, which at a large lr binds for nearly every layer and
     leaves lr without effect. `step_metrics` says which share of the layers each bound clipped.
 
+    Given a ``found_inf`` attribute (a 0-d float tensor on the parameters' device, set around
+    ``step`` as torch's GradScaler sets it on fused optimizers), the step leaves the weights and
+    momentum buffers as they were where it is 1, without reading it on the host: on the foreach
+    path (any device) each tensor's new value is taken by ``torch.where``; the C++ kernel, which
+    runs on the CPU only, reads the flag from host memory.
+
     Args:
         params: parameters or param-group dicts (a group may set any option below and
             ``lars_exclude``).
@@ -187,6 +193,9 @@ class FusedLARS(Optimizer):
         # only by step_metrics, so a step adds no work for the metric and no host sync.
         self._unclipped: list[tuple[Tensor, float, float | None]] = []
 
+    takes_found_inf = True
+    """`step` skips its update on the device where ``found_inf`` is set (trainer/nonfinite.py)."""
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_unclipped", [])
@@ -201,6 +210,7 @@ class FusedLARS(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._unclipped = []
+        found_inf: Tensor | None = getattr(self, "found_inf", None)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -214,11 +224,12 @@ class FusedLARS(Optimizer):
             lib = native_library() if any(takes) else None
             unclipped = []
             if lib is not None:
-                unclipped += _kernel_step(lib, group,
-                                          *_columns([t for t, k in zip(triples, takes) if k]))
+                kernel = [t for t, k in zip(triples, takes) if k]
+                if found_inf is None or not found_inf.item():  # CPU tensors: host memory, no device wait
+                    unclipped += _kernel_step(lib, group, *_columns(kernel))
                 triples = [t for t, k in zip(triples, takes) if not k]
             if triples:
-                unclipped += self._foreach_step(group, *_columns(triples))
+                unclipped += self._foreach_step(group, *_columns(triples), found_inf=found_inf)
             self._unclipped += [(ratios, *_trust_range(group)) for ratios in unclipped]
         return loss
 
@@ -244,15 +255,23 @@ class FusedLARS(Optimizer):
 
     @classmethod
     def _foreach_step(cls, group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
-                      bufs: list[Tensor]) -> list[Tensor]:
+                      bufs: list[Tensor], found_inf: Tensor | None = None) -> list[Tensor]:
         """One step of `group` over its tensors with torch ops; returns the trust ratios before
-        the [min, max] clip (one tensor per cache block), none for an excluded group."""
+        the [min, max] clip (one tensor per cache block), none for an excluded group. Where
+        `found_inf` is 1, every tensor keeps its old value (chosen by torch.where: a NaN update
+        times zero would still be NaN)."""
         unclipped = []
         for block in _cache_blocks(params):
+            p, g, m = params[block], grads[block], bufs[block]
+            old = None if found_inf is None else (torch._foreach_mul(p, 1.0), torch._foreach_mul(m, 1.0))
             if group["lars_exclude"]:
-                cls._sgd_momentum(group, params[block], grads[block], bufs[block])
+                cls._sgd_momentum(group, p, g, m)
             else:
-                unclipped.append(cls._lars(group, params[block], grads[block], bufs[block]))
+                unclipped.append(cls._lars(group, p, g, m))
+            if old is not None:
+                skip = found_inf.to(device=p[0].device, dtype=torch.bool)
+                for new, before in zip(p + m, old[0] + old[1]):
+                    new.copy_(torch.where(skip, before, new))
         return unclipped
 
     def _momentum_buffer(self, p: Tensor) -> Tensor:

@@ -47,6 +47,7 @@ def recipe_args(digits_root: Path, log_dir: Path, *extra: str) -> list[str]:
     return ["--config", "configs/quickstart_cpu.yaml", f"data.root={digits_root}", *TINY, "log.tensorboard=false",
             "train.epochs=2", phases(2, batch=12), "train.max_steps_per_epoch=3", "train.deterministic=true",
             "train.target_top1=0", "comm.kind=topk", "comm.density=0.05", "comm.dense_below=1000",
+            "train.preempt_check_every_steps=1",  # the signal's own step is checkpointed
             f"log.dir={log_dir}", *extra]
 
 
@@ -349,7 +350,7 @@ def _agree_on_a_signal(rank: int, world: int, tmp: str) -> tuple[bool, bool, int
     if rank == 1:
         os.kill(os.getpid(), signal.SIGUSR1)
     armed_before = trainer.preemption.watchdog is not None
-    agreed = trainer.preemption.agreed(trainer.step)
+    agreed = trainer.preemption.agreed(trainer.step + 1)  # at the end of the first step: auto's first check
     armed = trainer.preemption.watchdog is not None
     trainer.preemption.cancel_watchdog()
     restore()

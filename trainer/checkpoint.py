@@ -340,6 +340,7 @@ class CheckpointWriter:
 
     def _write_and_finish(self, pending: Future, step: int, files: dict[str, Any], token: str) -> None:
         pending.set_running_or_notify_cancel()
+        start = time.perf_counter()
         try:
             self.write(step, files, token)
             if self.rank == 0:
@@ -347,16 +348,17 @@ class CheckpointWriter:
         except BaseException as e:  # noqa: BLE001 - handed to `wait`, which raises it on the training thread
             pending.set_exception(e)
         else:
-            pending.set_result(None)
+            pending.set_result(time.perf_counter() - start)
 
-    def wait(self) -> None:
-        """Wait for a background write; raise its error, if any, as a CheckpointWriteError (the caller stops
-        every rank on it, whatever went wrong in the writer)."""
+    def wait(self) -> float | None:
+        """Wait for a background write; return the seconds its thread took (None when none was pending), or
+        raise its error as a CheckpointWriteError (the caller stops every rank on it, whatever went wrong in the
+        writer)."""
         pending, self._pending = self._pending, None
         if pending is None:
-            return
+            return None
         try:
-            pending.result()
+            return pending.result()
         except CheckpointWriteError:
             raise
         except Exception as e:  # noqa: BLE001 - e.g. a pickling error or MemoryError in the writer thread

@@ -91,6 +91,9 @@ class Checkpointer:
         """Checkpoints this attempt started (each write's token ends with its number)."""
         self.seconds = 0.0
         """Seconds the training thread spent on checkpoints (time/checkpoint_s)."""
+        self.write_s: float | None = None
+        """Seconds this rank's newest complete checkpoint write took (a foreground one, or a background one's
+        thread); None before any: what a stop's checkpoint is expected to take (trainer/preemption.py)."""
 
     # ------------------------------------------------------------ when
 
@@ -158,6 +161,7 @@ class Checkpointer:
                 error = describe_error(e)
             self.raise_if_failed(error)
         else:
+            write_start = time.perf_counter()
             try:
                 self.writer.write(step, self.files(), token)
             except Exception as e:  # noqa: BLE001
@@ -169,6 +173,7 @@ class Checkpointer:
                 except Exception as e:  # noqa: BLE001
                     error = describe_error(e)
             self.raise_if_failed(error, ckpt_dir)
+            self.write_s = time.perf_counter() - write_start
         self.last_step = step
         self.seconds += time.perf_counter() - start
 
@@ -176,7 +181,8 @@ class Checkpointer:
         """Collective: wait for a background checkpoint write; all ranks stop together if one failed."""
         error = ""
         try:
-            self.writer.wait()
+            seconds = self.writer.wait()
+            self.write_s = self.write_s if seconds is None else seconds
         except CheckpointWriteError as e:
             error = str(e)
         self.raise_if_failed(error)

@@ -4,7 +4,8 @@ What a step computes belongs to a `Task` (trainer/task.py); the loop owns what e
 are averaged by the communicator (launched from autograd hooks during backward, waited on in `train_step`),
 not by DDP, so that the sparse communicators can replace the dense one by config. Evaluation and checkpoints
 are inside the DAWNBench clock. Non-finite gradients never reach the weights: the loss scaler skips and counts
-such steps, and without one the run stops naming the step. Checkpoints are the `Checkpointer`'s
+such steps, and without one the run stops naming the step (checked before each step on the host, or flagged on
+the device and read at log steps and checkpoints: trainer/nonfinite.py). Checkpoints are the `Checkpointer`'s
 (trainer/checkpointer.py), stop signals the `Preemption`'s (trainer/preemption.py): docs/reliability.md.
 """
 
@@ -21,8 +22,9 @@ import torch
 from trainer.checkpointer import Checkpointer
 from trainer.choices import ChoiceCache, Decision, cache_folder
 from trainer.comm import CommConfig, Communicator, build_communicator
-from trainer.config import to_dict
+from trainer.config import ConfigError, to_dict
 from trainer.dist import ReplicaGuard, Topology, all_reduce_sum, broadcast_flag, broadcast_module
+from trainer.nonfinite import NonfiniteSteps, takes_found_inf
 from trainer.optim import optimizer_metrics, set_lr_momentum
 from trainer.precision import AMP_DTYPES, amp_candidates, autocast, build_grad_scaler
 from trainer.preemption import Preemption
@@ -63,10 +65,13 @@ class Trainer:
         # with the scaler's `found_inf` tensor set on it during the call, which the hook reads (the one sync).
         self._stepped = False
         self.optimizer.register_step_post_hook(self._on_optimizer_step)
+        self.nonfinite = self.build_nonfinite_check()
+        """Without a loss scaler: the device-side record of non-finite steps (None: the host check)."""
         # Task.after_step; a bare task of a check or a bench, which gives only `loss`, has none to call
         self._after_step = getattr(task, "after_step", lambda step: None)
         self.checkpointer = Checkpointer(cfg.train, Path(cfg.log.dir) / "checkpoints", topo, self, to_dict(cfg))
-        self.preemption = Preemption(topo, cfg.train.preempt_grace_s, cfg.train.preempt_check_every_steps)
+        every = cfg.train.preempt_check_every_steps
+        self.preemption = Preemption(topo, cfg.train.preempt_grace_s, None if every == "auto" else every)
         # State (checkpointed): next epoch and the steps of it already done, global step, wall-clock seconds
         # so far, eval history, target time, steps the loss scaler skipped.
         self.epoch, self.step_in_epoch, self.step, self.elapsed_s = 0, 0, 0, 0.0
@@ -96,6 +101,7 @@ class Trainer:
 
     def checkpoint(self, background: bool | None = None) -> None:
         """Collective: a checkpoint of the run now, with the wall-clock seconds so far (`Checkpointer.save`)."""
+        self.raise_if_nonfinite("before a checkpoint")
         self.elapsed_s = time.perf_counter() - self._clock
         self.checkpointer.save(background)
 
@@ -160,7 +166,25 @@ class Trainer:
         steps = self.task.steps_per_epoch(phase)
         return min(steps, self.train_cfg.max_steps_per_epoch) if self.train_cfg.max_steps_per_epoch else steps
 
+    def build_nonfinite_check(self) -> NonfiniteSteps | None:
+        """train.nonfinite_check resolved: the device-side record, or None for the host check."""
+        mode, takes = self.train_cfg.nonfinite_check, takes_found_inf(self.optimizer)
+        if mode == "device" and not takes:
+            raise ConfigError(f"train.nonfinite_check=device: {type(self.optimizer).__name__} cannot skip an "
+                              "update on the device (it takes no found_inf); use optim.name lars, adam or adamw, "
+                              "or train.nonfinite_check=host")
+        on_device = mode == "device" or (mode == "auto" and takes and self.topo.device.type == "cuda")
+        return NonfiniteSteps(self.topo.device) if on_device else None
+
+    def raise_if_nonfinite(self, where: str) -> None:
+        """The device-side record's host read (a no-op under the host check): stop if any step was non-finite."""
+        if self.nonfinite is not None:
+            self.nonfinite.raise_if_any(self.step, where)
+
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.scaler.is_enabled():  # without a scaler a step that is called applies (or skips on the device)
+            self._stepped = True
+            return
         found_inf = getattr(optimizer, "found_inf", None)  # set by GradScaler only around a fused step
         self._stepped = found_inf is None or not bool(found_inf.item())
 
@@ -193,8 +217,16 @@ class Trainer:
         """With a loss scaler: the step, unless the gradients hold inf/NaN; a skipped step is rolled back in the
         communicator too, and counted. Without one: a non-finite gradient stops the run before the step."""
         if not self.scaler.is_enabled():
-            self.check_finite(loss)
-            self.optimizer.step()
+            if self.nonfinite is None:
+                self.check_finite(loss)
+                self.optimizer.step()
+                return
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            self.optimizer.found_inf = self.nonfinite.observe(grads, self.step + 1)  # type: ignore[attr-defined]
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf  # type: ignore[attr-defined]
             return
         self._stepped = False
         self.scaler.step(self.optimizer)  # skipped when the gradients hold inf/NaN
@@ -233,9 +265,14 @@ class Trainer:
                 "(train.max_skipped_steps)")
 
     def evaluate(self, phase: Phase) -> dict[str, float]:
-        """The task's `eval/*` metrics (a collective), under the run's autocast."""
-        with torch.no_grad(), self.autocast():
-            return self.task.evaluate(phase)
+        """The task's `eval/*` metrics (a collective), under the run's autocast, with cuDNN's autotuning off:
+        rectangular validation batches come in many shapes, and each new one would be tuned anew."""
+        benchmark, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, False
+        try:
+            with torch.no_grad(), self.autocast():
+                return self.task.evaluate(phase)
+        finally:
+            torch.backends.cudnn.benchmark = benchmark
 
     # ------------------------------------------------------------ the loop
 
@@ -311,10 +348,11 @@ class Trainer:
                 window = Meter()
             if self.checkpointer.should_save_step(self.step):
                 self.checkpoint()
-            if self.preemption.agreed(self.step):
+            if self.preemption.agreed(self.step, self.checkpointer.write_s):
                 self.preemption.stop(self.step, self.checkpoint_before_stop, bar)
         if hasattr(batches, "close"):
             batches.close()  # let the task's generator release its loader state now
+        self.raise_if_nonfinite("at the epoch's end")
         seconds = time.perf_counter() - epoch.start
         (units,) = all_reduce_sum([epoch.units], self.topo)
         return {"loss/train_epoch": float(loss_sum) / max(1, done), f"time/{self.task.unit}_per_s_epoch":
@@ -355,6 +393,7 @@ class Trainer:
     def log_step(self, epoch: float, loss: torch.Tensor, lr: float, momentum: float | None,
                  comm_stats: dict[str, float], window: Meter, bar: tqdm | ProgressLines) -> None:
         """The step record: loss, schedule, throughput and data wait over the window, comm and optimizer stats."""
+        self.raise_if_nonfinite("at a log step")
         value = float(loss)
         (units,) = all_reduce_sum([window.units], self.topo)  # every rank's, not ours times W
         self.metrics.log("step", self.step, {

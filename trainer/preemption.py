@@ -25,12 +25,37 @@ the batch script requeues explicitly (scripts/slurm/); without torchrun, Slurm's
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+CHECK_SHARE = 0.5
+"""Under train.preempt_check_every_steps: auto, the share of train.preempt_grace_s that the steps up to the next
+check and the stop's checkpoint may take together; the rest is margin (a slower step, an evaluation between)."""
+UNTIMED_CHECKPOINT_SHARE = 0.25
+"""The share of the grace assumed for the stop's checkpoint before this attempt has timed one."""
+
+
+def check_interval(grace_s: float, step_s: float, checkpoint_s: float | None) -> int:
+    """Steps from one agreement on a stop signal to the next (train.preempt_check_every_steps: auto): the most N
+    with N x `step_s` + `checkpoint_s` <= CHECK_SHARE x `grace_s`, at least 1 (a signal that comes just after a
+    check is acted on N steps later, then the checkpoint is written). `checkpoint_s` None: none timed yet."""
+    if checkpoint_s is None:
+        checkpoint_s = UNTIMED_CHECKPOINT_SHARE * grace_s
+    steps_s = CHECK_SHARE * grace_s - checkpoint_s
+    if step_s <= 0 or steps_s <= 0:
+        return 1
+    n = int(steps_s // step_s)
+    return max(1, n + 1 if (n + 1) * step_s <= steps_s else n)  # // rounds 2.5 // 0.1 down to 24
+
+
 class Preemption:
     """This rank's stop signals: the handler, the grace timer and the ranks' agreement, for `grace_s`
-    (train.preempt_grace_s) and a check every `check_every_steps` steps (train.preempt_check_every_steps)."""
+    (train.preempt_grace_s), checked every `check_every_steps` steps (train.preempt_check_every_steps), or, when
+    None (auto), at intervals the ranks agree from their measured step and checkpoint seconds
+    (`check_interval`)."""
 
-    def __init__(self, topo: Topology, grace_s: float, check_every_steps: int) -> None:
+    def __init__(self, topo: Topology, grace_s: float, check_every_steps: int | None) -> None:
         self.topo, self.grace_s, self.check_every_steps = topo, grace_s, check_every_steps
+        self.next_check = 1
+        """Under auto, the step at whose end the ranks next agree (the first step's, then `check_interval`'s)."""
+        self._last_check: tuple[float, int] | None = None  # (time, step) of the previous agreement
         self.signal: int | None = None
         """The stop signal this rank received (SIGTERM, SIGUSR1), if any."""
         self.ranks = 0
@@ -80,15 +105,25 @@ class Preemption:
               file=sys.stderr, flush=True)
         os._exit(PREEMPTED_EXIT_CODE)
 
-    def agreed(self, step: int) -> bool:
-        """Collective at every `check_every_steps`-th `step`: whether any rank was signalled. Once they agree,
-        every rank has a grace timer (the signalled ones since the signal, the others from now), so a rank stuck
-        in the stop's checkpoint exits with the restartable status too."""
-        if step % self.check_every_steps:
+    def agreed(self, step: int, checkpoint_s: float | None = None) -> bool:
+        """Collective at the end of every `check_every_steps`-th step (auto: of step `next_check`): whether any
+        rank was signalled. One all-reduce, which also carries the ranks' seconds per step since the last check
+        and `checkpoint_s`, their newest checkpoint write, so that under auto every rank derives the same next
+        interval (the seconds per step count whatever ran between two checks: an evaluation makes the interval
+        shorter, never longer). Once they agree, every rank has a
+        grace timer (the signalled ones since the signal, the others from now), so a rank stuck in the stop's
+        checkpoint exits with the restartable status too."""
+        if step % self.check_every_steps if self.check_every_steps else step < self.next_check:
             return False
-        if not self.topo.distributed:
-            return self.signal is not None
-        (signalled,) = all_reduce_sum([0.0 if self.signal is None else 1.0], self.topo)
+        now = time.perf_counter()
+        step_s = (now - self._last_check[0]) / max(1, step - self._last_check[1]) if self._last_check else 0.0
+        self._last_check = (now, step)
+        values = [0.0 if self.signal is None else 1.0, step_s, -1.0 if checkpoint_s is None else checkpoint_s]
+        signalled, step_s, checkpoint_s = all_reduce_sum(values, self.topo) if self.topo.distributed else values
+        ranks = max(1, self.topo.world_size)
+        if not self.check_every_steps:  # the ranks' mean seconds: equal sums give every rank the same interval
+            timed = checkpoint_s / ranks if checkpoint_s >= 0 else None
+            self.next_check = step + check_interval(self.grace_s, step_s / ranks, timed)
         self.ranks = int(signalled)
         if signalled > 0:
             self.arm_watchdog()

@@ -58,6 +58,12 @@ class TrainConfig:
     """Loss scaling: auto = dynamic with fp16, else off; dynamic = a dynamic scaler at any precision (a step
     with non-finite gradients is skipped and counted in train/skipped_steps); off = none, and a non-finite
     gradient stops the run naming the step."""
+    nonfinite_check: Literal["auto", "host", "device"] = "auto"
+    """Without a loss scaler, how a non-finite gradient is found: host = a read of the gradients' sum before
+    every update (the run stops at that step; one host sync a step); device = a device-side flag that makes the
+    optimizer skip its update there, read at log steps and before checkpoints, where the run stops naming the
+    first such step (no host sync in a step; needs an optimizer that takes `found_inf`: FusedLARS, fused Adam
+    or AdamW); auto = device on CUDA where the optimizer takes it, else host (trainer/nonfinite.py)."""
     max_skipped_steps: int = 50
     """Stop when the loss scaler skips this many steps in a row (the weights or the data are broken: not an
     fp16 overflow, which one or two skips fix)."""
@@ -79,10 +85,12 @@ class TrainConfig:
     choices_cache: str = "auto"
     """Folder of the per-machine cache of measured choices (a second identical run starts without measuring):
     auto = $XDG_CACHE_HOME/dawnbench-recipes/choices (~/.cache/... when unset); none = measure every run."""
-    preempt_check_every_steps: int = 1
-    """How often the ranks agree whether one of them was signalled: a one-number all-reduce (and a host sync)
-    at every this many step ends. A signal is acted on up to this many steps late: keep that and a
-    checkpoint's write well inside train.preempt_grace_s."""
+    preempt_check_every_steps: int | Literal["auto"] = "auto"
+    """How often the ranks agree whether one of them was signalled: an all-reduce of three numbers (and a host
+    sync) at every this many step ends. A signal is acted on up to this many steps late: keep that and a
+    checkpoint's write well inside train.preempt_grace_s. auto: after the first step, as many steps as fit,
+    with the newest checkpoint write's seconds (a quarter of the grace before one is timed), in half the grace,
+    from the seconds per step measured between checks (trainer/preemption.py)."""
 
     def __post_init__(self) -> None:
         require(self.epochs > 0, f"train.epochs: must be > 0, got {self.epochs}")
@@ -94,8 +102,9 @@ class TrainConfig:
         require(self.max_skipped_steps > 0, f"train.max_skipped_steps: must be > 0, got {self.max_skipped_steps}")
         require(self.calibration_rounds >= 1, f"train.calibration_rounds: must be >= 1, got {self.calibration_rounds}")
         require(self.calibration_budget > 0, f"train.calibration_budget: must be > 0, got {self.calibration_budget}")
-        require(self.preempt_grace_s > 0 and self.preempt_check_every_steps > 0,
-                "train.preempt_grace_s and train.preempt_check_every_steps must be > 0")
+        require(self.preempt_grace_s > 0, f"train.preempt_grace_s: must be > 0, got {self.preempt_grace_s}")
+        require(self.preempt_check_every_steps == "auto" or self.preempt_check_every_steps > 0,
+                f"train.preempt_check_every_steps: must be auto or > 0, got {self.preempt_check_every_steps}")
 
     def should_resume(self) -> bool:
         """Whether this start resumes: asked for, or (auto) a torchrun restart or a requeued Slurm job."""

@@ -53,7 +53,8 @@ def recipe_args(digits_root: Path, log_dir: Path, kind: str, *extra: str) -> lis
     return ["--config", "configs/quickstart_cpu.yaml", f"data.root={digits_root}", *TINY, "log.tensorboard=false",
             "train.epochs=2", phases(2), "train.max_steps_per_epoch=5", "train.checkpoint_every_steps=3",
             "train.keep_checkpoints=3", "train.deterministic=true", "train.target_top1=0", f"comm.kind={kind}",
-            "comm.density=0.05", "comm.dense_below=1000", f"log.dir={log_dir}", *extra]
+            "comm.density=0.05", "comm.dense_below=1000", "train.preempt_check_every_steps=1",  # the signal's step
+            f"log.dir={log_dir}", *extra]
 
 
 def torchrun(args: list[str], restarts: int = 0, fault: str = "") -> subprocess.CompletedProcess:
