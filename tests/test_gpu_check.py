@@ -88,6 +88,8 @@ def test_the_cpu_dry_run_passes_every_check_it_can_run(tmp_path):
     assert got["mstopk worker thread"] == "PASS" and got["mstopk host syncs"] == "SKIP"  # CUDA syncs only
     if importable("torchvision"):
         assert got["train resnet18 4 @ 32 px"] == got["train transformer-tiny 128 tokens"] == "PASS"
+        # the device-flag step ran (fp32 on the CPU, syncs counted on CUDA only)
+        assert got["train resnet18 4 @ 40 px sync-free"] == "PASS"
     dali = {r["result"] for r in rows if r["group"] == "dali"}
     assert dali == ({"PASS"} if importable("nvidia.dali") and importable("torchvision") else {"SKIP"})
     assert "selftest" not in got  # hidden unless named
@@ -231,3 +233,11 @@ def test_a_nan_loss_leaves_the_last_line_strict_json(monkeypatch, capsys):
         raise ValueError(f"not strict JSON: {constant}")
     last = json.loads(capsys.readouterr().out.splitlines()[-1], parse_constant=refuse)
     assert last["rows"][-1]["values"] == {"loss": "nan", "per_s": "inf", "curve": [1.0, "-inf"]}
+
+
+@pytest.mark.unit
+def test_the_throughput_floor_holds_for_the_h100_h200_class_scaled_by_pixels_and_is_unset_elsewhere():
+    assert harness.throughput_floor("NVIDIA H200", 224) == harness.THROUGHPUT_FLOOR == 5000.0
+    assert harness.throughput_floor("NVIDIA H100 80GB HBM3", 112) == pytest.approx(20000.0)  # a quarter the pixels
+    assert harness.throughput_floor("NVIDIA A100-SXM4-80GB", 224) is None
+    assert harness.throughput_floor("Tesla V100-SXM2-32GB", 224) is None
