@@ -299,9 +299,9 @@ def test_fused_lars_mixed_and_fallback_tensors_match_reference(clip: dict, monke
     paths = {"kernel": 0, "foreach": 0}
 
     def counting(name: str, fn):
-        def wrapper(*args):
+        def wrapper(*args, **kwargs):
             paths[name] += len(args[-1])  # bufs: one per tensor
-            return fn(*args)
+            return fn(*args, **kwargs)
         return wrapper
 
     monkeypatch.setattr(lars_module, "_kernel_step", counting("kernel", lars_module._kernel_step))
