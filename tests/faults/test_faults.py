@@ -117,6 +117,7 @@ def killed_then_preempted(tmp_path_factory: pytest.TempPathFactory, digits_root:
     return run, done.stdout
 
 
+@pytest.mark.long  # with its fixture's torchrun restarts, 15 s or more
 def test_a_rank_killed_mid_epoch_restarts_and_ends_bitwise_equal(killed_then_preempted, uninterrupted):
     # dense; hitopk's residuals across a resume are checked by tests/test_comm.py's resume test
     run, out = killed_then_preempted
@@ -126,6 +127,7 @@ def test_a_rank_killed_mid_epoch_restarts_and_ends_bitwise_equal(killed_then_pre
     assert_same_weights(final_state(uninterrupted("dense")), final_state(run))
 
 
+@pytest.mark.long
 def test_a_sigterm_to_one_rank_checkpoints_exits_75_and_the_restart_ends_equal(killed_then_preempted, uninterrupted):
     """The preemption notice in step 7 (between the step-6 checkpoint and the step-9 one) is checkpointed at
     step 7; the restart resumes there and ends with the uninterrupted run's weights and scores."""
