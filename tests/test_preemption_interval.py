@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import run_ranks
 from trainer.config import ConfigError
-from trainer.dist import DistConfig, setup_distributed
+from trainer.dist import DistConfig, Topology, setup_distributed
 from trainer.preemption import CHECK_SHARE, UNTIMED_CHECKPOINT_SHARE, Preemption, check_interval
 from trainer.train_config import TrainConfig
 
@@ -41,9 +41,9 @@ def test_auto_is_the_default_and_a_bad_interval_is_a_config_error():
 
 
 def _checks(rank: int, world: int, signal_at: int) -> tuple[list[int], int | None]:
-    """Up to 40 steps of 20 ms on rank 0 and 60 ms on rank 1 under a 1 s grace; rank 1 signals itself during
-    step `signal_at`. The steps at whose end this rank took part in a check, and the step the ranks agreed to
-    stop at."""
+    """Up to 40 steps of 20 ms on rank 0 and 60 ms on rank 1 (rank 0 waits for it at each check) under a 1 s
+    grace; rank 1 signals itself during step `signal_at`. The steps at whose end this rank took part in a check,
+    and the step the ranks agreed to stop at."""
     topo = setup_distributed(DistConfig())
     preemption = Preemption(topo, grace_s=1.0, check_every_steps=None)
     restore = preemption.install()
@@ -68,10 +68,20 @@ def _checks(rank: int, world: int, signal_at: int) -> tuple[list[int], int | Non
 @pytest.mark.dist
 def test_ranks_timing_their_steps_differently_check_at_the_same_steps_and_stop_at_the_same_one(tmp_path):
     (checks0, stop0), (checks1, stop1) = run_ranks(_checks, 2, tmp_path, 25, timeout=120)
-    assert checks0 == checks1 and stop0 == stop1  # a mismatch would have hung the group in an all-reduce
-    assert checks0[:2] == [1, 2]  # the first step's end, then one timed step
+    assert checks0 == checks1 and stop0 == stop1  # a mismatch would have hung the group in a collective
+    assert checks0[:3] == [1, 2, 3]  # the first step's end, then until one interval is timed
     gaps = [b - a for a, b in zip(checks0, checks0[1:])]
     assert max(gaps) > 1, f"auto never went past one step: checks at {checks0}"
-    # Half the 1 s grace less the 0.1 s checkpoint is 0.4 s: at 40 ms a step or more (the ranks' mean of their
-    # sleeps) no more than 10 steps fit, so the signal of step 25 is acted on by step 35, inside the grace.
-    assert max(gaps) <= 10 and stop0 is not None and 25 <= stop0 <= 35
+    assert all(b <= 2 * a for a, b in zip(gaps, gaps[1:])), f"an interval more than doubled: {checks0}"
+    # Half the 1 s grace less the 0.1 s checkpoint is 0.4 s: at 60 ms a step (the slower rank's sleep) no more
+    # than 6 steps fit, so the signal of step 25 is acted on by step 31, inside the grace.
+    assert max(gaps) <= 6 and stop0 is not None and 25 <= stop0 <= 31
+
+
+@pytest.mark.unit
+def test_one_process_checks_every_step_and_a_new_epoch_starts_the_intervals_afresh():
+    preemption = Preemption(Topology(), grace_s=25.0, check_every_steps=None)
+    for step in range(1, 6):  # no process group: a check costs nothing
+        assert not preemption.agreed(step, checkpoint_s=1.0) and preemption.next_check == step + 1
+    preemption.remeasure(40)
+    assert preemption.next_check == 41

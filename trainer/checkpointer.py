@@ -92,8 +92,10 @@ class Checkpointer:
         self.seconds = 0.0
         """Seconds the training thread spent on checkpoints (time/checkpoint_s)."""
         self.write_s: float | None = None
-        """Seconds this rank's newest complete checkpoint write took (a foreground one, or a background one's
-        thread); None before any: what a stop's checkpoint is expected to take (trainer/preemption.py)."""
+        """Seconds this rank's newest complete checkpoint write took (a foreground one; a background one's
+        snapshot and thread), None before any: what a stop's checkpoint is expected to take
+        (trainer/preemption.py)."""
+        self._snapshot_s = 0.0  # the newest background write's snapshot, on the training thread
 
     # ------------------------------------------------------------ when
 
@@ -155,8 +157,10 @@ class Checkpointer:
         # alone, it would leave the others waiting in their next collective.
         error, ckpt_dir = "", self.writer.folder / step_dir_name(step)
         if background:
+            snapshot_start = time.perf_counter()
             try:  # the snapshot to host memory, here; the write's own failures come from `wait`
                 self.writer.write_in_background(step, self.files(), token, copied=(rank_file(self.topo.rank),))
+                self._snapshot_s = time.perf_counter() - snapshot_start
             except Exception as e:  # noqa: BLE001
                 error = describe_error(e)
             self.raise_if_failed(error)
@@ -181,8 +185,8 @@ class Checkpointer:
         """Collective: wait for a background checkpoint write; all ranks stop together if one failed."""
         error = ""
         try:
-            seconds = self.writer.wait()
-            self.write_s = self.write_s if seconds is None else seconds
+            seconds = self.writer.wait()  # the thread's part; a foreground write does the snapshot too
+            self.write_s = self.write_s if seconds is None else self._snapshot_s + seconds
         except CheckpointWriteError as e:
             error = str(e)
         self.raise_if_failed(error)

@@ -135,6 +135,7 @@ class Trainer:
         choice = self.decision.choice
         self.amp_dtype = AMP_DTYPES[choice["amp"]]
         self.scaler = build_grad_scaler(self.train_cfg.loss_scale, self.amp_dtype, self.topo.device)
+        self.nonfinite = self.build_nonfinite_check()
         if "selection" in choice:
             self.comm.use_selection(choice["selection"])
         if "workers" in choice:
@@ -167,7 +168,10 @@ class Trainer:
         return min(steps, self.train_cfg.max_steps_per_epoch) if self.train_cfg.max_steps_per_epoch else steps
 
     def build_nonfinite_check(self) -> NonfiniteSteps | None:
-        """train.nonfinite_check resolved: the device-side record, or None for the host check."""
+        """train.nonfinite_check resolved: the device-side record, or None (the host check; or a loss scaler,
+        which skips such steps itself)."""
+        if self.scaler.is_enabled():
+            return None
         mode, takes = self.train_cfg.nonfinite_check, takes_found_inf(self.optimizer)
         if mode == "device" and not takes:
             raise ConfigError(f"train.nonfinite_check=device: {type(self.optimizer).__name__} cannot skip an "
@@ -177,8 +181,9 @@ class Trainer:
         return NonfiniteSteps(self.topo.device) if on_device else None
 
     def raise_if_nonfinite(self, where: str) -> None:
-        """The device-side record's host read (a no-op under the host check): stop if any step was non-finite."""
-        if self.nonfinite is not None:
+        """The device-side record's host read (a no-op under the host check or a scaler): stop if any step was
+        non-finite."""
+        if self.nonfinite is not None and not self.scaler.is_enabled():
             self.nonfinite.raise_if_any(self.step, where)
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -311,6 +316,7 @@ class Trainer:
         # deterministic kernels were asked for).
         torch.backends.cudnn.benchmark = not self.train_cfg.deterministic
         epoch_start = time.perf_counter()
+        self.preemption.remeasure(self.step)  # evaluation since the last check; maybe another image size
         record = {"epoch": self.epoch, **self.train_epoch(phase, bar)}
         self.guard.check(self.model, self.step)  # evaluation and checkpoints assume equal replicas
         last = self.epoch + 1 == self.train_cfg.epochs

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any, Callable, NoReturn
 
+import torch
+
 from trainer.dist import Topology, all_reduce_sum
 
 PREEMPTED_EXIT_CODE = 75
@@ -55,7 +57,9 @@ class Preemption:
         self.topo, self.grace_s, self.check_every_steps = topo, grace_s, check_every_steps
         self.next_check = 1
         """Under auto, the step at whose end the ranks next agree (the first step's, then `check_interval`'s)."""
-        self._last_check: tuple[float, int] | None = None  # (time, step) of the previous agreement
+        self._interval = 1  # under auto, the steps between the last two checks: the next at most doubles it
+        self._last_check: tuple[float, int] | None = None  # (time after the agreement, step) of the last check
+        self._step_s = 0.0  # this rank's seconds per step between its last two checks (0: not measured yet)
         self.signal: int | None = None
         """The stop signal this rank received (SIGTERM, SIGUSR1), if any."""
         self.ranks = 0
@@ -105,25 +109,42 @@ class Preemption:
               file=sys.stderr, flush=True)
         os._exit(PREEMPTED_EXIT_CODE)
 
+    def remeasure(self, step: int) -> None:
+        """Under auto, start the intervals afresh after `step` (a new epoch or phase: evaluation between, another
+        image size, cuDNN tuning again): check at the next step end, then let the interval grow again."""
+        if not self.check_every_steps:
+            self.next_check, self._interval, self._last_check, self._step_s = step + 1, 1, None, 0.0
+
     def agreed(self, step: int, checkpoint_s: float | None = None) -> bool:
         """Collective at the end of every `check_every_steps`-th step (auto: of step `next_check`): whether any
-        rank was signalled. One all-reduce, which also carries the ranks' seconds per step since the last check
-        and `checkpoint_s`, their newest checkpoint write, so that under auto every rank derives the same next
-        interval (the seconds per step count whatever ran between two checks: an evaluation makes the interval
-        shorter, never longer). Once they agree, every rank has a
-        grace timer (the signalled ones since the signal, the others from now), so a rank stuck in the stop's
-        checkpoint exits with the restartable status too."""
+        rank was signalled. Once they agree, every rank has a grace timer (the signalled ones since the signal, the
+        others from now), so a rank stuck in the stop's checkpoint exits with the restartable status too.
+
+        Under auto one all-gather carries, besides the flag, each rank's seconds per step over its previous
+        interval (timed from one agreement's end to the next, which wait for the device) and `checkpoint_s`, its
+        newest checkpoint write; every rank takes the slowest of each, so all derive the same next interval,
+        which at most doubles the last one. Without a process group the check costs nothing: every step."""
         if step % self.check_every_steps if self.check_every_steps else step < self.next_check:
             return False
-        now = time.perf_counter()
-        step_s = (now - self._last_check[0]) / max(1, step - self._last_check[1]) if self._last_check else 0.0
-        self._last_check = (now, step)
-        values = [0.0 if self.signal is None else 1.0, step_s, -1.0 if checkpoint_s is None else checkpoint_s]
-        signalled, step_s, checkpoint_s = all_reduce_sum(values, self.topo) if self.topo.distributed else values
-        ranks = max(1, self.topo.world_size)
-        if not self.check_every_steps:  # the ranks' mean seconds: equal sums give every rank the same interval
-            timed = checkpoint_s / ranks if checkpoint_s >= 0 else None
-            self.next_check = step + check_interval(self.grace_s, step_s / ranks, timed)
+        flag = 0.0 if self.signal is None else 1.0
+        if not self.topo.distributed:
+            signalled = flag
+            self.next_check = step + 1
+        elif self.check_every_steps:
+            (signalled,) = all_reduce_sum([flag], self.topo)
+        else:
+            values = torch.tensor([[flag, self._step_s, -1.0 if checkpoint_s is None else checkpoint_s]],
+                                  dtype=torch.float64, device=self.topo.device)
+            ranks = self.topo.world.all_gather(values, "preemption check").tolist()
+            signalled = sum(r[0] for r in ranks)
+            now = time.perf_counter()
+            if self._last_check is not None:
+                self._step_s = (now - self._last_check[0]) / max(1, step - self._last_check[1])
+            self._last_check = (now, step)
+            step_s, slowest_write = max(r[1] for r in ranks), max(r[2] for r in ranks)
+            fits = check_interval(self.grace_s, step_s, slowest_write if slowest_write >= 0 else None)
+            self._interval = min(fits, 2 * self._interval) if step_s > 0 else 1
+            self.next_check = step + self._interval
         self.ranks = int(signalled)
         if signalled > 0:
             self.arm_watchdog()

@@ -86,11 +86,11 @@ class TrainConfig:
     """Folder of the per-machine cache of measured choices (a second identical run starts without measuring):
     auto = $XDG_CACHE_HOME/dawnbench-recipes/choices (~/.cache/... when unset); none = measure every run."""
     preempt_check_every_steps: int | Literal["auto"] = "auto"
-    """How often the ranks agree whether one of them was signalled: an all-reduce of three numbers (and a host
-    sync) at every this many step ends. A signal is acted on up to this many steps late: keep that and a
-    checkpoint's write well inside train.preempt_grace_s. auto: after the first step, as many steps as fit,
-    with the newest checkpoint write's seconds (a quarter of the grace before one is timed), in half the grace,
-    from the seconds per step measured between checks (trainer/preemption.py)."""
+    """How often the ranks agree whether one of them was signalled: a collective (and a host sync) at every this
+    many step ends. A signal is acted on up to this many steps late: keep that and a checkpoint's write well
+    inside train.preempt_grace_s. auto: from each epoch's first step, as many steps as fit, with the slowest
+    rank's newest checkpoint write (a quarter of the grace before one is timed), in half the grace, at the
+    slowest rank's seconds per step, each interval at most twice the last (trainer/preemption.py)."""
 
     def __post_init__(self) -> None:
         require(self.epochs > 0, f"train.epochs: must be > 0, got {self.epochs}")
