@@ -150,8 +150,9 @@ class FusedLARS(Optimizer):
     Given a ``found_inf`` attribute (a 0-d float tensor on the parameters' device, set around
     ``step`` as torch's GradScaler sets it on fused optimizers), the step leaves the weights and
     momentum buffers as they were where it is 1, without reading it on the host: on the foreach
-    path (any device) each tensor's new value is taken by ``torch.where``; the C++ kernel, which
-    runs on the CPU only, reads the flag from host memory.
+    path (any device) each tensor's new value is taken by ``torch.where`` from a copy made before
+    the update (two copies and a ``where`` per tensor every step the flag is given, set or not);
+    the C++ kernel, which runs on the CPU only, reads the flag from host memory.
 
     Args:
         params: parameters or param-group dicts (a group may set any option below and

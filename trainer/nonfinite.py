@@ -47,6 +47,7 @@ class NonfiniteSteps:
         if count:
             raise FloatingPointError(
                 f"non-finite gradients in {count} step(s), the first at step {int(self.first)}; found {where} at "
-                f"step {step}: the optimizer skipped every update from that step on, so the weights are those "
-                "before it, and no checkpoint was written after it (train.loss_scale=dynamic would skip such "
-                "steps and go on)")
+                f"step {step}: the optimizer skipped every update from that step on, so the parameters are those "
+                "before it (BatchNorm's running statistics may have taken the bad forward; neither an evaluation "
+                "nor a checkpoint saw them), and no checkpoint was written after it (train.loss_scale=dynamic "
+                "would skip such steps and go on)")
