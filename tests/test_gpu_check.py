@@ -90,6 +90,7 @@ def test_the_cpu_dry_run_passes_every_check_it_can_run(tmp_path):
         assert got["train resnet18 4 @ 32 px"] == got["train transformer-tiny 128 tokens"] == "PASS"
         # the device-flag step ran (fp32 on the CPU, syncs counted on CUDA only)
         assert got["train resnet18 4 @ 40 px sync-free"] == "PASS"
+        assert got["train resnet18 4 @ 40 px throughput floor"] == "SKIP"
     dali = {r["result"] for r in rows if r["group"] == "dali"}
     assert dali == ({"PASS"} if importable("nvidia.dali") and importable("torchvision") else {"SKIP"})
     assert "selftest" not in got  # hidden unless named
