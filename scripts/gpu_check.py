@@ -1014,6 +1014,76 @@ def check_dali(device: Any) -> list[Row]:
 # ---------------------------------------------------------------- the harness's own check
 
 
+def _recipe_run(argv: list[str], run_dir: Path, resume: bool = False) -> dict:
+    """recipes.resnet50 in this process (one rank); its summary."""
+    from recipes.resnet50 import main
+
+    return main([*argv, f"log.dir={run_dir}", *(["train.resume=true"] if resume else [])])
+
+
+def _final_weights(run_dir: Path) -> dict:
+    import torch
+
+    from trainer.checkpoint import MODEL, checkpoint_dirs
+
+    return torch.load(checkpoint_dirs(run_dir)[0] / MODEL, weights_only=True)
+
+
+@check("recipe", timeout_s=240, requires=("torchvision",))
+def check_recipe(device: Any) -> list[Row]:
+    """`python -m recipes.resnet50` on data.backend=synthetic through `fit`: 2 epochs of 4 steps, an evaluation
+    and a background checkpoint after each; then the run again from its first epoch's checkpoint (the newest
+    removed), which must end where the uninterrupted run ended. Twice: bf16 autocast (the weights compared
+    within a tolerance: cuDNN's kernels need not be deterministic), then train.deterministic=true (bitwise).
+    GPU: ResNet-50, 256 images at 224 px, configs/resnet50_1node.yaml; the CPU dry run: ResNet-18 at 16 px in
+    fp32, configs/quickstart_cpu.yaml."""
+    import shutil
+
+    import torch
+
+    from trainer.checkpoint import checkpoint_dirs
+
+    require_device(device)
+    gpu = device.type == "cuda"
+    bf16 = gpu and torch.cuda.is_bf16_supported()
+    size, batch = (224, 256) if gpu else (16, 16)
+    argv = ["--config", "configs/resnet50_1node.yaml" if gpu else "configs/quickstart_cpu.yaml",
+            "data.backend=synthetic", "data.root=unused", "train.epochs=2", "train.max_steps_per_epoch=4",
+            f"schedule.phases=[{{start_epoch: 0, end_epoch: 2, image_size: {size}, batch_size: {batch}}}]",
+            "schedule.warmup_epochs=0", "train.target_top1=0", "train.target_top5=0", "train.checkpoint_every_epochs=1",
+            "train.checkpoint_in_background=true", "train.keep_checkpoints=3", "log.progress=false",
+            "log.tensorboard=false", "train.choices_cache=none", "train.channels_last=true" if gpu else
+            "train.channels_last=false", "model.small_map_gemm=false", "comm.kind=dense"]
+    if not gpu:
+        argv.append("model.arch=resnet18")
+    rows = []
+    for mode in ("bf16", "deterministic"):
+        extra = ([f"train.amp={'bf16' if bf16 else 'off'}", "train.loss_scale=off"] if mode == "bf16" else
+                 ["train.deterministic=true", "train.amp=off"])
+        with tempfile.TemporaryDirectory() as tmp:
+            straight, resumed = Path(tmp) / "straight", Path(tmp) / "resumed"
+            summary = _recipe_run([*argv, *extra], straight)
+            shutil.copytree(straight, resumed)
+            shutil.rmtree(checkpoint_dirs(resumed)[0])  # back to the first epoch's checkpoint
+            (resumed / "metrics.jsonl").unlink()  # so that it shows which epochs the second run trained
+            again = _recipe_run([*argv, *extra], resumed, resume=True)
+            trained = [json.loads(line)["epoch"] for line in (resumed / "metrics.jsonl").read_text().splitlines()
+                       if json.loads(line)["kind"] == "epoch"]
+            a, b = _final_weights(straight), _final_weights(resumed)
+            diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point())
+        finite = all(math.isfinite(x["history"][-1]["eval/loss"]) for x in (summary, again))
+        same_end = summary["steps"] == again["steps"] == 8 and trained == [1]  # the resume trained epoch 1 only
+        ok = finite and same_end and (diff == 0.0 if mode == "deterministic" else diff < 1e-2)
+        what = "bitwise" if mode == "deterministic" else "within 1e-2"
+        rows.append(Row(f"recipe {mode} fit + resume", verdict(ok),
+                        f"2 epochs x 4 steps at {batch} @ {size} px, evaluated and checkpointed in the background "
+                        f"each epoch, resumed from epoch 1: final weights {what} of the uninterrupted run's (max "
+                        f"difference {diff:.3g}); {'bf16' if bf16 else 'fp32'}" if mode == "bf16" else
+                        f"2 epochs x 4 steps, deterministic kernels, resumed from epoch 1: max weight difference "
+                        f"{diff:.3g} (0 expected)", {"max_weight_diff": diff, "resumed_epochs": trained}))
+    return rows
+
+
 @check("selftest", timeout_s=60, hidden=True, light=True)
 def check_selftest(device: str) -> list[Row]:
     """The harness itself, run only when named: GPU_CHECK_SELFTEST=raise raises, =hang sleeps past any

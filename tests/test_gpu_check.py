@@ -91,6 +91,9 @@ def test_the_cpu_dry_run_passes_every_check_it_can_run(tmp_path):
         # the device-flag step ran (fp32 on the CPU, syncs counted on CUDA only)
         assert got["train resnet18 4 @ 40 px sync-free"] == "PASS"
         assert got["train resnet18 4 @ 40 px throughput floor"] == "SKIP"
+        # fit, evaluation, background checkpoints and a resume that trained epoch 1 only and ended where the
+        # uninterrupted run did
+        assert got["recipe bf16 fit + resume"] == got["recipe deterministic fit + resume"] == "PASS"
     dali = {r["result"] for r in rows if r["group"] == "dali"}
     assert dali == ({"PASS"} if importable("nvidia.dali") and importable("torchvision") else {"SKIP"})
     assert "selftest" not in got  # hidden unless named
@@ -105,7 +108,7 @@ def test_without_dali_the_decode_check_is_a_skip(tmp_path):
 
 def test_without_torchvision_its_checks_are_skips(tmp_path):
     needing = [c.name for c in CHECKS.values() if "torchvision" in c.requires + c.requires_on.get("cpu", ())]
-    assert {"train-resnet50", "train-transformer", "dali"} <= set(needing)
+    assert {"train-resnet50", "train-transformer", "dali", "recipe"} <= set(needing)
     code, rows, _ = gpu_check(tmp_path, "--device", "cpu", "--only", *needing, hidden=("torchvision",))
     assert code == 0 and [r["result"] for r in rows] == ["SKIP"] * len(needing)
     assert all("torchvision" in r["detail"] or "nvidia.dali" in r["detail"] for r in rows)
