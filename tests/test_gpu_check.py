@@ -160,6 +160,7 @@ def test_a_python_without_torch_gets_one_line():
     assert result.stderr.startswith("gpu_check: torch is not installed in ") and "PYTHON=" in result.stderr
 
 
+@pytest.mark.long  # three checks' subprocesses: about 15 s
 def test_without_pyyaml_and_tqdm_the_trainer_steps_still_run(tmp_path):
     """A cluster's Python may lack PyYAML and tqdm: the trainer imports them only where it reads or writes YAML
     or draws a bar, so the preflight reports the device (`auto`) and the trainer's own steps run."""

@@ -70,6 +70,7 @@ def _recipe_rank(rank: int, world: int, argv: list[str]) -> None:
     main(argv)
 
 
+@pytest.mark.long  # a 2-rank recipe run with every output: about 15 s
 def test_two_rank_recipe_run_writes_all_outputs(tmp_path, digits_root):
     out = tmp_path / "run"
     argv = ["--config", "configs/quickstart_cpu.yaml", f"data.root={digits_root}", f"log.dir={out}", "train.epochs=2",
