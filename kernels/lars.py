@@ -262,15 +262,15 @@ class FusedLARS(Optimizer):
         `found_inf` is 1, every tensor keeps its old value (chosen by torch.where: a NaN update
         times zero would still be NaN)."""
         unclipped = []
+        skip = None if found_inf is None else found_inf.to(device=params[0].device, dtype=torch.bool)
         for block in _cache_blocks(params):
             p, g, m = params[block], grads[block], bufs[block]
-            old = None if found_inf is None else (torch._foreach_mul(p, 1.0), torch._foreach_mul(m, 1.0))
+            old = None if skip is None else (torch._foreach_mul(p, 1.0), torch._foreach_mul(m, 1.0))
             if group["lars_exclude"]:
                 cls._sgd_momentum(group, p, g, m)
             else:
                 unclipped.append(cls._lars(group, p, g, m))
             if old is not None:
-                skip = found_inf.to(device=p[0].device, dtype=torch.bool)
                 for new, before in zip(p + m, old[0] + old[1]):
                     new.copy_(torch.where(skip, before, new))
         return unclipped

@@ -1011,7 +1011,7 @@ def check_dali(device: Any) -> list[Row]:
     return rows
 
 
-# ---------------------------------------------------------------- the harness's own check
+# ---------------------------------------------------------------- the recipe through fit and a resume
 
 
 def _recipe_run(argv: list[str], run_dir: Path, resume: bool = False) -> dict:
@@ -1082,6 +1082,9 @@ def check_recipe(device: Any) -> list[Row]:
                         f"2 epochs x 4 steps, deterministic kernels, resumed from epoch 1: max weight difference "
                         f"{diff:.3g} (0 expected)", {"max_weight_diff": diff, "resumed_epochs": trained}))
     return rows
+
+
+# ---------------------------------------------------------------- the harness's own check
 
 
 @check("selftest", timeout_s=60, hidden=True, light=True)

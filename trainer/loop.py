@@ -181,9 +181,9 @@ class Trainer:
         return NonfiniteSteps(self.topo.device) if on_device else None
 
     def raise_if_nonfinite(self, where: str) -> None:
-        """The device-side record's host read (a no-op under the host check or a scaler): stop if any step was
-        non-finite."""
-        if self.nonfinite is not None and not self.scaler.is_enabled():
+        """The device-side record's host read (a no-op under the host check or a scaler, where there is none):
+        stop if any step was non-finite."""
+        if self.nonfinite is not None:
             self.nonfinite.raise_if_any(self.step, where)
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
