@@ -1,18 +1,19 @@
 """LARS with its per-tensor work batched over the whole parameter list.
 
 The paper's "parallel tensor operator": the ~161 ResNet-50 tensors get their norms, trust ratios
-and updates in a few calls instead of ~10 small kernels each. Two paths, the same formula:
+and updates in a few calls instead of ~10 small kernels each. Three paths, the same formula:
 
 - CPU, float32, dense (contiguous or channels_last): kernels/csrc/lars_cpu.cpp, one ctypes call per
   param group. The step is memory-bound and the kernel passes over each tensor twice (both norms,
   then decay + trust ratio + momentum + update fused), where the torch ops below take five or six.
-- Everything else (other dtypes or layouts, CUDA, or no C++ compiler): torch._foreach_* calls. The
-  trust ratios stay on the device as 0-d tensors, so a step never syncs with the host. On CUDA the
-  norms and the momentum and weight updates are multi-tensor-apply kernels; the products with
-  per-tensor 0-d ratios (addcmul) take torch's per-tensor foreach path. The foreach calls already
-  remove the per-tensor Python loop, so there is no kernel of our own over a packed pointer list.
+- CUDA, float32, dense: kernels/optim_triton.py, three Triton launches per param group whatever the
+  number of tensors (norms, trust ratios, fused update), lr and momentum read on the device; where
+  Triton cannot be imported, the path below.
+- Everything else (other dtypes or layouts, or no C++ compiler on the CPU): torch._foreach_* calls.
+  The trust ratios stay on the device as 0-d tensors, so a step never syncs with the host; on CUDA
+  the products with per-tensor 0-d ratios take torch's per-tensor path (a launch per tensor).
 
-`LARSReference` is the same update written plainly, one tensor at a time: the check both paths are
+`LARSReference` is the same update written plainly, one tensor at a time: the check every path is
 tested against.
 """
 
@@ -27,6 +28,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from kernels import _native
+from kernels._triton import optim_kernels, runs_on
 
 # ---------------------------------------------------------------- compiled CPU path
 
@@ -149,10 +151,11 @@ class FusedLARS(Optimizer):
 
     Given a ``found_inf`` attribute (a 0-d float tensor on the parameters' device, set around
     ``step`` as torch's GradScaler sets it on fused optimizers), the step leaves the weights and
-    momentum buffers as they were where it is 1, without reading it on the host: on the foreach
-    path (any device) each tensor's new value is taken by ``torch.where`` from a copy made before
-    the update (two copies and a ``where`` per tensor every step the flag is given, set or not);
-    the C++ kernel, which runs on the CPU only, reads the flag from host memory.
+    momentum buffers as they were where it is nonzero, without reading it on the host: the Triton
+    kernels mask their stores with it; on the foreach path (any device) each tensor's new value is
+    taken by ``torch.where`` from a copy made before the update (two copies and a ``where`` per
+    tensor every step the flag is given, set or not); the C++ kernel, which runs on the CPU only,
+    reads the flag from host memory.
 
     Args:
         params: parameters or param-group dicts (a group may set any option below and
@@ -193,6 +196,7 @@ class FusedLARS(Optimizer):
         # The last step's trust ratios before the range clip, with the group's (min, max): read
         # only by step_metrics, so a step adds no work for the metric and no host sync.
         self._unclipped: list[tuple[Tensor, float, float | None]] = []
+        self._tables: dict[int, Any] = {}  # per param group: the Triton path's TensorTable
 
     takes_found_inf = True
     """`step` skips its update on the device where ``found_inf`` is set (trainer/nonfinite.py)."""
@@ -200,6 +204,7 @@ class FusedLARS(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_unclipped", [])
+        self.__dict__.setdefault("_tables", {})
         for group in self.param_groups:  # groups saved before the trust range existed
             group.setdefault("min_trust_ratio", 0.0)
             group.setdefault("max_trust_ratio", None)
@@ -212,14 +217,14 @@ class FusedLARS(Optimizer):
                 loss = closure()
         self._unclipped = []
         found_inf: Tensor | None = getattr(self, "found_inf", None)
-        for group in self.param_groups:
+        for slot, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             if any(p.grad.is_sparse for p in params):
                 raise ValueError("FusedLARS: sparse gradients are not supported")
             triples = [(p, p.grad, self._momentum_buffer(p)) for p in params]
-            # Each tensor's update is independent of the others', so the kernel takes the tensors
+            # Each tensor's update is independent of the others', so each kernel takes the tensors
             # it can and the foreach path the rest: one float64 or strided tensor slows only itself.
             takes = [_kernel_takes(*t) for t in triples]
             lib = native_library() if any(takes) else None
@@ -229,6 +234,16 @@ class FusedLARS(Optimizer):
                 if found_inf is None or not found_inf.item():  # CPU tensors: host memory, no device wait
                     unclipped += _kernel_step(lib, group, *_columns(kernel))
                 triples = [t for t, k in zip(triples, takes) if not k]
+            takes = [runs_on(t[0].device) for t in triples]
+            kernels = optim_kernels() if any(takes) else None
+            if kernels is not None:
+                takes = [k and kernels.dense_alike(*t) for t, k in zip(triples, takes)]
+                if any(takes):
+                    part = [t for t, k in zip(triples, takes) if k]
+                    table = kernels.cached_table(self._tables, slot, _columns(part))
+                    ratios = kernels.lars_step(table, group, found_inf)
+                    unclipped += [] if ratios is None else [ratios]
+                    triples = [t for t, k in zip(triples, takes) if not k]
             if triples:
                 unclipped += self._foreach_step(group, *_columns(triples), found_inf=found_inf)
             self._unclipped += [(ratios, *_trust_range(group)) for ratios in unclipped]

@@ -17,7 +17,8 @@ bounds it, and a check that cannot start in the time left is a FAIL. A new GPU p
 The checks (names for --only): preflight (versions, compute capability against torch's arch list), mstopk
 (Triton MSTopK against torch.topk and the reference at the communicator's sizes, from a worker thread on a
 side stream, host syncs), communicators (dense / topk / hitopk / auto over NCCL on the GPUs present), lars
-(FusedLARS against its per-tensor reference on ResNet-50's 161 tensors), train-resnet50 and train-transformer
+(FusedLARS against its per-tensor reference on ResNet-50's 161 tensors, and the kernels one step launches), adam
+(build_adam's TritonAdam against torch's fused Adam and AdamW, likewise), train-resnet50 and train-transformer
 (the trainer's own step on synthetic data: throughput, memory, host syncs), dali (DALI's mixed decoding).
 """
 
@@ -164,6 +165,39 @@ def count_host_syncs(device: Any):
             torch.cuda.set_sync_debug_mode("default")
     sync(device)
     caught += [w for w in records if "synchroniz" in str(w.message)]
+
+
+def kernel_launches(fn: Callable[[], Any], device: Any) -> int | None:
+    """CUDA kernels that one call of `fn` launches, from torch.profiler's device events (copies and memsets not
+    counted), after a first call that compiles; None off CUDA."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    fn()
+    sync(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset")))
+
+
+def resnet50_weights(device: Any, steps: int) -> tuple[list[Any], list[list[Any]], int]:
+    """ResNet-50's parameter shapes (a narrow copy off CUDA) as float32 weights and `steps` gradients each, on
+    `device`, drawn on the CPU from seed 0; and the number of elements."""
+    import torch
+
+    shapes = resnet50_shapes() if device.type == "cuda" else resnet50_shapes(width=8, num_classes=10)
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=gen).to(device) * (0.05 if len(s) > 1 else 1.0) for s in shapes]
+    grads = [[(torch.randn(s, generator=gen) * 0.01).to(device) for s in shapes] for _ in range(steps)]
+    return start, grads, sum(int(torch.Size(s).numel()) for s in shapes)
+
+
+def max_relative_difference(a: list[Any], b: list[Any]) -> float:
+    """The largest difference between matching tensors, relative to each tensor's largest value in `a`."""
+    return max(((x - y).abs().max() / x.abs().max().clamp(min=1e-30)).item() for x, y in zip(a, b) if x.numel())
 
 
 def resnet50_shapes(width: int = 64, num_classes: int = 1000) -> list[tuple[int, ...]]:
@@ -699,7 +733,8 @@ def check_determinism(device: Any) -> list[Row]:
 def check_lars(device: Any) -> list[Row]:
     """FusedLARS against its per-tensor reference (kernels.lars.LARSReference) on ResNet-50's 161 tensors
     (float32, the trainer's two groups): 5 steps for each of nesterov x trust_clip and a trust-ratio range, max
-    relative difference; time per step of both."""
+    relative difference; time per step of both; on CUDA, the kernels one step launches (FAIL above 8: the
+    Triton path takes 3 per LARS group and 1 for the excluded one, torch's foreach path hundreds)."""
     import torch
 
     from kernels import FusedLARS
@@ -709,12 +744,9 @@ def check_lars(device: Any) -> list[Row]:
     options = [dict(nesterov=n, trust_clip=c) for n in (False, True) for c in (False, True)]
     options.append(dict(nesterov=False, trust_clip=False, min_trust_ratio=0.02, max_trust_ratio=0.05))
     gpu = device.type == "cuda"
-    shapes = resnet50_shapes() if gpu else resnet50_shapes(width=8, num_classes=10)
     steps, repeats = (5, 5) if gpu else (3, 2)
-    gen = torch.Generator().manual_seed(0)
-    start = [torch.randn(s, generator=gen).to(device) * (0.05 if len(s) > 1 else 1.0) for s in shapes]
-    grads = [[(torch.randn(s, generator=gen) * 0.01).to(device) for s in shapes] for _ in range(steps)]
-    worst, times = 0.0, {}
+    start, grads, n = resnet50_weights(device, steps)
+    worst, times, launches = 0.0, {}, None
     for i, option in enumerate(options):
         finals = []
         for name, make in (("loop", LARSReference), ("fused", FusedLARS)):
@@ -726,18 +758,61 @@ def check_lars(device: Any) -> list[Row]:
                 for w, gw in zip(weights, g):
                     w.grad = gw
                 opt.step()
+            finals.append([w.detach().clone() for w in weights])
             if i == 0:
                 times[name] = median_ms(opt.step, device, repeats)
-            finals.append(weights)
-        worst = max(worst, max(((a - b).abs().max() / a.abs().max().clamp(min=1e-30)).item()
-                               for a, b in zip(*finals)))
-    n = sum(int(torch.Size(s).numel()) for s in shapes)
-    return [Row("FusedLARS", verdict(worst <= 1e-5),
-                f"{len(shapes)} tensors ({n / 1e6:.1f} M, float32), {steps} steps x nesterov x trust_clip and a "
+                if name == "fused":
+                    launches = kernel_launches(opt.step, device)
+        worst = max(worst, max_relative_difference(*finals))
+    counted = "not counted off CUDA" if launches is None else f"{launches} CUDA kernels per step (limit 8)"
+    return [Row("FusedLARS", verdict(worst <= 1e-5 and (launches is None or launches <= 8)),
+                f"{len(start)} tensors ({n / 1e6:.1f} M, float32), {steps} steps x nesterov x trust_clip and a "
                 f"trust-ratio range: max relative difference from the per-tensor reference {worst:.1e} (limit "
                 f"1e-5); step {times['fused']:.2f} ms vs loop {times['loop']:.2f} ms "
-                f"({times['loop'] / times['fused']:.1f}x)",
-                {"max_rel_diff": worst, "ms": times["fused"], "loop_ms": times["loop"]})]
+                f"({times['loop'] / times['fused']:.1f}x); {counted}",
+                {"max_rel_diff": worst, "ms": times["fused"], "loop_ms": times["loop"], "kernels": launches})]
+
+
+@check("adam", timeout_s=120)
+def check_adam(device: Any) -> list[Row]:
+    """kernels.build_adam (TritonAdam on CUDA where Triton imports) against torch.optim.Adam / AdamW with
+    fused=True on ResNet-50's 161 tensors: 5 steps with weight decay, max relative difference; time per step
+    and, on CUDA, the kernels one step launches (FAIL above 4: the Triton path takes 2 per group)."""
+    import torch
+
+    from kernels import build_adam
+
+    require_device(device)
+    gpu = device.type == "cuda"
+    steps, repeats = (5, 5) if gpu else (3, 2)
+    start, grads, n = resnet50_weights(device, steps)
+    rows = []
+    for name, cls in (("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)):
+        finals, times, launches, kinds = [], {}, {}, {}
+        for label, make in (("torch", lambda w: cls(w, lr=1e-3, weight_decay=0.01, fused=True)),
+                            ("ours", lambda w: build_adam(w, name=name, lr=1e-3, weight_decay=0.01))):
+            weights = [torch.nn.Parameter(p.clone()) for p in start]
+            opt = make(weights)
+            kinds[label] = type(opt).__name__
+            for g in grads:
+                for w, gw in zip(weights, g):
+                    w.grad = gw
+                opt.step()
+            finals.append([w.detach().clone() for w in weights])
+            times[label] = median_ms(opt.step, device, repeats)
+            launches[label] = kernel_launches(opt.step, device)
+        worst = max_relative_difference(*finals)
+        ours = launches["ours"]
+        ok = worst <= 1e-5 and (not gpu or (kinds["ours"] == "TritonAdam" and ours is not None and ours <= 4))
+        counted = ("kernels not counted off CUDA" if ours is None
+                   else f"{ours} CUDA kernels per step vs torch fused {launches['torch']} (limit 4)")
+        rows.append(Row(f"{kinds['ours']} ({name})", verdict(ok),
+                        f"{len(start)} tensors ({n / 1e6:.1f} M, float32), {steps} steps: max relative difference "
+                        f"from torch's fused {cls.__name__} {worst:.1e} (limit 1e-5); step {times['ours']:.2f} ms "
+                        f"vs {times['torch']:.2f} ms; {counted}",
+                        {"max_rel_diff": worst, "ms": times["ours"], "torch_ms": times["torch"], "kernels": ours,
+                         "torch_kernels": launches["torch"]}))
+    return rows
 
 
 # ---------------------------------------------------------------- training steps on synthetic data
