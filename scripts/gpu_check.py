@@ -19,7 +19,9 @@ The checks (names for --only): preflight (versions, compute capability against t
 side stream, host syncs), communicators (dense / topk / hitopk / auto over NCCL on the GPUs present), lars
 (FusedLARS against its per-tensor reference on ResNet-50's 161 tensors, and the kernels one step launches), adam
 (build_adam's TritonAdam against torch's fused Adam and AdamW, likewise), train-resnet50 and train-transformer
-(the trainer's own step on synthetic data: throughput, memory, host syncs), dali (DALI's mixed decoding).
+(the trainer's own step on synthetic data: throughput, memory, host syncs), dali (DALI's mixed decoding), recipe
+(recipes.resnet50 through fit and a resume), compile (train.compile and train.cuda_graphs on the GPU path's step
+against eager: last, as its compilation may take what is left of the budget).
 """
 
 from __future__ import annotations
@@ -1160,6 +1162,67 @@ def check_recipe(device: Any) -> list[Row]:
 
 
 # ---------------------------------------------------------------- the harness's own check
+
+
+@check("compile", timeout_s=300, requires=("torchvision",))
+def check_compile(device: Any) -> list[Row]:
+    """train.compile and train.cuda_graphs (trainer/compiling.py) on the GPU path's step: ResNet-50 at 256 x 224
+    px, bf16 where native, no loss scaler, the non-finite check on the device, FusedLARS, the dense exchange over 1
+    rank; eager, then compiled in place in inductor's default mode, then reduce-overhead (forward and backward
+    replayed as CUDA graphs). Per mode: images/s, the ratio to eager, host syncs per step and the seconds of the
+    warm-up (compilation included). FAIL on an error or a non-finite loss; speed is reported, with no floor. The
+    CPU dry run: a small CNN at 32 px, eager and default only (no CUDA graphs)."""
+    import torch
+    import torchvision
+
+    from data import DataConfig, build_image_data
+    from trainer.classification import ClassificationTask, ClassificationTrainConfig
+    from trainer.compiling import apply_compile
+    from trainer.optim import OptimConfig, build_optimizer
+    from trainer.schedules import Phase
+
+    require_device(device)
+    gpu = device.type == "cuda"
+    bf16 = gpu and torch.cuda.is_bf16_supported()
+    phase = Phase(start_epoch=0, end_epoch=1, image_size=224 if gpu else 32, batch_size=256 if gpu else 8)
+    data = build_image_data(DataConfig(backend="synthetic"), 0, 1, seed=0, device=device)
+    if gpu:
+        model = torchvision.models.resnet50(num_classes=data.num_classes, zero_init_residual=True)
+    else:
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, stride=2), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                    torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                    torch.nn.Linear(16, data.num_classes))
+    model = model.to(device).to(memory_format=torch.channels_last)
+    arch = "resnet50" if gpu else "small CNN"
+    optim_cfg = OptimConfig(name="lars", lr=0.1, momentum=0.9, weight_decay=5e-5, trust_coefficient=0.001,
+                            trust_clip=True)
+    cfg = ClassificationTrainConfig(epochs=1, amp="bf16" if bf16 else "off", loss_scale="off",
+                                    nonfinite_check="device", channels_last=True)
+    rows, eager_per_s = [], None
+    with one_rank_world(device) as topo, tempfile.TemporaryDirectory() as log_dir:
+        for mode in ("off", "default", "reduce-overhead") if gpu else ("off", "default"):
+            apply_compile(model, mode)
+            comm = one_rank_communicator("dense", model, topo, bucket_mb=25.0, density=1.0)
+            task = ClassificationTask(model, data, topo, [phase], cfg, 0.1)
+            trainer = _trainer(cfg, topo, model, task, build_optimizer(model, optim_cfg), comm, log_dir)
+            batches = task.train_batches(phase, 0)
+            start = time.perf_counter()
+            for _ in range(3):  # warm-up: compiles (and, in reduce-overhead, records the graphs)
+                trainer.train_step(next(batches))
+            sync(device)
+            warm_s = time.perf_counter() - start
+            r = _train_steps(trainer, batches, device, warmup=0, timed=10 if gpu else 2, units=lambda b: len(b[1]))
+            batches.close()
+            comm.detach()
+            eager_per_s = eager_per_s or r["per_s"]
+            rows.append(Row(f"compile {mode} {arch} {phase.batch_size} @ {phase.image_size} px",
+                            verdict(math.isfinite(r["loss"])),
+                            _step_detail(r, "images", gpu) + f"; {r['per_s'] / eager_per_s:.2f}x eager; warm-up "
+                            f"{warm_s:.0f} s; {'bf16' if bf16 else 'fp32'}, no loss scaler",
+                            {k: r[k] for k in ("per_s", "syncs", "loss")} | {"vs_eager": r["per_s"] / eager_per_s,
+                                                                            "warm_up_s": warm_s}))
+        apply_compile(model, "off")
+    return rows
 
 
 @check("selftest", timeout_s=60, hidden=True, light=True)

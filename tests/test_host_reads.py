@@ -3,8 +3,9 @@ aten op, `aten._local_scalar_dense` being `.item()`, `float()`, `int()` and `boo
 reads a CPU tensor's memory below the dispatcher, so it is counted by wrapping it).
 
 - A training step of the GPU path's configuration (train.nonfinite_check=device, the preemption check at auto,
-  FusedLARS on its foreach path, the one CUDA takes) reads nothing back between log steps, and a NaN gradient
-  still leaves the weights and momentum untouched: the run stops at the next log step naming the first bad step.
+  FusedLARS on its foreach path, which CUDA takes without Triton; the Triton path's reads are counted in
+  tests/test_optim_triton.py) reads nothing back between log steps, and a NaN gradient still leaves the weights
+  and momentum untouched: the run stops at the next log step naming the first bad step.
 - Evaluation accumulates on the device and reads its sums once, however many batches it runs, with cuDNN's
   autotuning off (rectangular validation batches come in many shapes)."""
 
@@ -122,7 +123,7 @@ BAR = SimpleNamespace(update=lambda n: None, set_postfix=lambda **kw: None)
 @pytest.mark.parametrize("optimizer", ["lars", "adam"])
 def test_a_training_step_on_the_device_path_reads_the_host_only_at_log_steps(tmp_path, monkeypatch, optimizer,
                                                                                 tolist_calls):
-    monkeypatch.setattr(kernels.lars, "native_library", lambda: None)  # FusedLARS's foreach path: CUDA's
+    monkeypatch.setattr(kernels.lars, "native_library", lambda: None)  # FusedLARS's foreach path
     trainer, _ = device_path_trainer(tmp_path, optimizer)
     assert trainer.nonfinite is not None and trainer.preemption.check_every_steps is None  # device flag, auto
     tolist_calls.at = lambda: trainer.step

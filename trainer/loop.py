@@ -22,6 +22,7 @@ import torch
 from trainer.checkpointer import Checkpointer
 from trainer.choices import ChoiceCache, Decision, cache_folder
 from trainer.comm import CommConfig, Communicator, build_communicator
+from trainer.compiling import compile_candidates, eager
 from trainer.config import ConfigError, to_dict
 from trainer.dist import ReplicaGuard, Topology, all_reduce_sum, broadcast_flag, broadcast_module
 from trainer.nonfinite import NonfiniteSteps, takes_found_inf
@@ -54,6 +55,8 @@ class Trainer:
         self.guard = components.guard or ReplicaGuard(0, topo)
         self.schedule = build_schedule(cfg.schedule, self.optimizer, cfg.train.epochs)
         self.amp_candidates = amp_candidates(cfg.train.amp, topo.device)
+        self.compile_candidates = compile_candidates(cfg.train.compile, cfg.train.cuda_graphs, topo.device,
+                                                     topo.world_size)
         self.amp_dtype = AMP_DTYPES[self.amp_candidates[0]]
         self.scaler = build_grad_scaler(cfg.train.loss_scale, self.amp_dtype, topo.device)
         self.decision: Decision | None = None
@@ -131,7 +134,7 @@ class Trainer:
             self.decision, self.amp_candidates, phases,
             RunStep(self.task, self.comm, self.optimizer, self.topo.device, self.measuring_exchange()),
             self.topo, ChoiceCache(folder) if folder else None, self.train_cfg.calibration_rounds,
-            self.train_cfg.calibration_budget)
+            self.train_cfg.calibration_budget, compile_modes=self.compile_candidates)
         choice = self.decision.choice
         self.amp_dtype = AMP_DTYPES[choice["amp"]]
         self.scaler = build_grad_scaler(self.train_cfg.loss_scale, self.amp_dtype, self.topo.device)
@@ -270,11 +273,12 @@ class Trainer:
                 "(train.max_skipped_steps)")
 
     def evaluate(self, phase: Phase) -> dict[str, float]:
-        """The task's `eval/*` metrics (a collective), under the run's autocast, with cuDNN's autotuning off:
-        rectangular validation batches come in many shapes, and each new one would be tuned anew."""
+        """The task's `eval/*` metrics (a collective), under the run's autocast, eager, with cuDNN's autotuning
+        off: rectangular validation batches come in many shapes, and each new one would be compiled or tuned
+        anew."""
         benchmark, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, False
         try:
-            with torch.no_grad(), self.autocast():
+            with torch.no_grad(), self.autocast(), eager():
                 return self.task.evaluate(phase)
         finally:
             torch.backends.cudnn.benchmark = benchmark
@@ -382,7 +386,7 @@ class Trainer:
     def test(self, when: str) -> dict[str, float]:
         """Collective: the task's held-out test scores (`when`: untrained or trained), logged as
         eval/test_<name>_<when>; outside the clock."""
-        with torch.no_grad(), self.autocast():
+        with torch.no_grad(), self.autocast(), eager():
             scores = self.task.test()
         if scores:
             self.metrics.log("test", self.step, {f"eval/test_{name}_{when}": v for name, v in scores.items()})

@@ -12,13 +12,14 @@ import hashlib
 import itertools
 import math
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from trainer.choices import (Choice, ChoiceCache, Decision, Probe, Timer, checked_choice, decide, label, run_key,
                              wall_timer)
 from trainer.comm.sparse import SparseLocalWork
+from trainer.compiling import apply_compile, eager
 from trainer.dist import Topology
 from trainer.precision import AMP_DTYPES, autocast
 
@@ -63,13 +64,15 @@ class RunStep:
 
     def apply(self, choice: Choice) -> None:
         self.dtype = AMP_DTYPES[choice.get("amp", "off")]
-        self.task.apply_choices({k: v for k, v in choice.items() if k != "amp"})
+        self.task.apply_choices({k: v for k, v in choice.items() if k not in ("amp", "compile")})
+        apply_compile(self.task.model, choice.get("compile", "off"))
 
     def step(self, batch: Any, train: bool) -> None:
         model = self.task.model
         model.train(train)
         try:
-            with torch.set_grad_enabled(train), autocast(self.device, self.dtype):
+            compiled = contextlib.nullcontext() if train else eager()  # evaluation eager, as Trainer.evaluate
+            with torch.set_grad_enabled(train), autocast(self.device, self.dtype), compiled:
                 loss, _ = self.task.loss(self.task.prepare_probe(batch))
             if train:
                 loss.backward()
@@ -176,10 +179,13 @@ def cores_per_rank(topo: Topology) -> int:
 
 def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tuple[Any, int, int]],
            run_step: RunStep, topo: Topology, cache: ChoiceCache | None, rounds: int, budget: float,
-           timer: Timer | None = None, cores: int | None = None) -> tuple[Decision, dict[str, list[Any]]]:
-    """Collective: the run's choices and the space of those that go with the model (precision and the task's
-    own). In turn: precision, memory layout and convolutions, measured together on the model at every shape it
-    trains and evaluates at (`phases`: (phase, training steps, evaluations)); the communicator's top-k selection
+           timer: Timer | None = None, cores: int | None = None, compile_modes: Sequence[str] = ("off",)
+           ) -> tuple[Decision, dict[str, list[Any]]]:
+    """Collective: the run's choices and the space of those that go with the model (precision, torch.compile's
+    mode where `compile_modes` offers more than "off", and the task's own). In turn: precision, compilation,
+    memory layout and convolutions, measured together on the model at every shape it trains and evaluates at
+    (`phases`: (phase, training steps, evaluations)), a compiled model then compiled at every training shape
+    before the clock; the communicator's top-k selection
     at its selection sizes; the input threads on the run's loader at the phase with the most steps, under the
     choices already made; the later two measure no further round once the three together have spent `budget` of
     the run's predicted seconds (each one's first measured round always runs). The model's choices are left
@@ -187,7 +193,8 @@ def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tu
     config; the input threads are settled afresh on every start. `timer` (default: the wall clock) and `cores`
     (default: `cores_per_rank`) are for tests."""
     task, comm = run_step.task, run_step.comm
-    space = {"amp": amp_candidates, **task.choice_space()}
+    space = {"amp": amp_candidates, **({"compile": list(compile_modes)} if list(compile_modes) != ["off"] else {}),
+             **task.choice_space()}
     selection = comm.selection_candidates()
     timer = timer or wall_timer(topo.device)
     total_steps = sum(steps for _, steps, _ in phases)
@@ -201,6 +208,12 @@ def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tu
                           rounds, timer, budget)
     model_choice = {k: v for k, v in decision.choice.items() if k in space}
     run_step.apply(model_choice)  # the task trains with it; the later groups measure and key the model under it
+    if model_choice.get("compile", "off") != "off":
+        # Compiled at every training shape now, not inside the clock (after a measurement: cached, quick).
+        with run_step.preserved():
+            for probe in task.probes(phases):
+                if probe.train:
+                    run_step.step(probe.batch, True)
     # One budget for every group: a share of the run's predicted seconds (the kept combination's cost)
     run_s = min((c for c in decision.costs_s.values() if c is not None and math.isfinite(c)), default=math.inf)
 

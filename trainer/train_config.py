@@ -64,6 +64,14 @@ class TrainConfig:
     optimizer skip its update there, read at log steps and before checkpoints, where the run stops naming the
     first such step (no host sync in a step; needs an optimizer that takes `found_inf`: FusedLARS, fused Adam
     or AdamW); auto = device on CUDA where the optimizer takes it, else host (trainer/nonfinite.py)."""
+    compile: Literal["off", "on", "auto"] = "off"
+    """torch.compile of the training model (trainer/compiling.py): on = inductor's default mode, compiled at each
+    training shape before the clock; auto = measured against eager with the other choices; evaluation stays
+    eager."""
+    cuda_graphs: Literal["off", "on", "auto"] = "off"
+    """Forward and backward replayed as CUDA graphs (torch.compile's reduce-overhead mode; one CUDA rank): on = a
+    config error where it cannot run; auto = one more candidate of the measured `compile` choice where it can
+    (needs train.compile on or auto)."""
     max_skipped_steps: int = 50
     """Stop when the loss scaler skips this many steps in a row (the weights or the data are broken: not an
     fp16 overflow, which one or two skips fix)."""
