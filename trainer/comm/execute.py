@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Mapping, Protocol
@@ -29,6 +28,7 @@ from trainer.comm.base import Bucket, Communicator, bind_thread_to_device, make_
 from trainer.comm.config import CommConfig, Compression
 from trainer.comm.cost import describe, exchange_bytes, k_of, layout_of
 from trainer.comm.plan import CODES, DENSE, KINDS, Choice, fixed_plan
+from trainer.comm.spans import DeviceSpans
 from trainer.dist import Group, Topology
 
 WIRE_DTYPES: dict[Compression, torch.dtype | None] = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -131,6 +131,8 @@ class PlanExecutor(Communicator):
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"comm-rank{topo.rank}",
                                               initializer=bind_thread_to_device, initargs=(topo.device,))
             self._stream = torch.cuda.Stream(topo.device) if topo.device.type == "cuda" else None
+        self.spans = DeviceSpans(topo.device.type == "cuda")
+        """comm/wait_s and comm/select_s: CUDA events on the streams that do the work (trainer/comm/spans.py)."""
         self.warm_up(zip([b.numel for b in self.buckets], self.plan))
         self._params = params
         self._hooks: list = []
@@ -281,31 +283,31 @@ class PlanExecutor(Communicator):
         """
         while self._next < len(self.buckets):
             self._launch_next()
-        start = time.perf_counter()
-        for bucket in self.buckets:
-            averaged = self.complete(bucket)
-            offset = 0
-            for p in bucket.params:
-                chunk = averaged[offset:offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = chunk.clone()
-                else:
-                    p.grad.copy_(chunk)
-                offset += p.numel()
-            bucket.ready, bucket.work = 0, None
+        with self.spans.span("wait_s"):  # on CUDA: the training stream's wait for the exchange, and the copies
+            for bucket in self.buckets:
+                averaged = self.complete(bucket)
+                offset = 0
+                for p in bucket.params:
+                    chunk = averaged[offset:offset + p.numel()].view_as(p)
+                    if p.grad is None:
+                        p.grad = chunk.clone()
+                    else:
+                        p.grad.copy_(chunk)
+                    offset += p.numel()
+                bucket.ready, bucket.work = 0, None
         self._next = 0
         self.steps += 1
         stats, self.stats = self.stats, _zero_stats()
-        stats["wait_s"] = time.perf_counter() - start
+        stats.update(self.spans.collect())
         sent, selected_from = stats.pop("sent_elements"), stats.pop("selected_from")
         stats["density"] = sent / selected_from if selected_from else 1.0
         return stats
 
-    def count(self, sent: float = 0.0, inter_node: float = 0.0, select_s: float = 0.0, sent_elements: float = 0.0,
+    def count(self, sent: float = 0.0, inter_node: float = 0.0, sent_elements: float = 0.0,
               selected_from: float = 0.0) -> None:
         """Add to this step's stats (called from the exchange thread too: each key has one writer at a time)."""
-        for key, value in zip(("bytes_sent", "bytes_inter_node", "select_s", "sent_elements", "selected_from"),
-                              (sent, inter_node, select_s, sent_elements, selected_from)):
+        for key, value in zip(("bytes_sent", "bytes_inter_node", "sent_elements", "selected_from"),
+                              (sent, inter_node, sent_elements, selected_from)):
             self.stats[key] += value
 
     def count_exchange(self, bucket: Bucket, choice: Choice) -> None:

@@ -11,7 +11,6 @@ double-buffered so that `rollback()` undoes a skipped step, and the gathered pai
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
@@ -111,15 +110,15 @@ class TopKExecution:
         size = shard.numel()
         acc, residual = ex.accumulate(index, shard)
         k = k_of(size, choice.density)
-        start = time.perf_counter()
         try:
-            payload = select_payload(acc, k, ex.iters, ex.selection)  # the unsent remainder: the new residual
-            ex.keep_residual(index, choice.kind, acc, residual)
+            with ex.spans.span("select_s"):
+                payload = select_payload(acc, k, ex.iters, ex.selection)  # the unsent remainder: the new residual
+                ex.keep_residual(index, choice.kind, acc, residual)
         except ValueError:
             if bool(torch.isfinite(acc).all()):
                 raise
             payload = pack(acc.new_full((k,), float("nan")), torch.arange(k, device=acc.device))
-        ex.count(select_s=time.perf_counter() - start, sent_elements=k, selected_from=size)
+        ex.count(sent_elements=k, selected_from=size)
         gathered = inter.all_gather(payload, f"inter-node sparse allgather of {what}")
         # acc has taken the shard's values: the sum is written over the shard
         return scatter_payloads(gathered, inter.size, size, shard if shard.dtype == gathered.dtype else None)
