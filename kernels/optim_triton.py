@@ -24,6 +24,7 @@ tensors, and the tests run it on CPU tensors under TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -141,16 +142,17 @@ def _lars_ratios(partials, first_block, options, ratios, unclipped,
         mask = index < end
         w_sq += tl.load(partials + 2 * index, mask=mask, other=0.0)
         g_sq += tl.load(partials + 2 * index + 1, mask=mask, other=0.0)
-    w_norm = tl.sqrt(tl.sum(w_sq, axis=0))
-    g_norm = tl.sqrt(tl.sum(g_sq, axis=0))
+    # Correctly rounded sqrt and division, as torch's kernels: Triton's defaults are approximate on CUDA.
+    w_norm = tl.sqrt_rn(tl.sum(w_sq, axis=0))
+    g_norm = tl.sqrt_rn(tl.sum(g_sq, axis=0))
     lr = tl.load(options).to(tl.float32)
     weight_decay = tl.load(options + 2).to(tl.float32)
     coefficient = tl.load(options + 3).to(tl.float32)
     eps = tl.load(options + 4).to(tl.float32)
-    ratio = coefficient * w_norm / (g_norm + weight_decay * w_norm + eps)
+    ratio = tl.div_rn(coefficient * w_norm, g_norm + weight_decay * w_norm + eps)
     ratio = tl.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
     if TRUST_CLIP:
-        ratio = tl.minimum(ratio / lr, 1.0)
+        ratio = tl.minimum(tl.div_rn(ratio, lr), 1.0)
     tl.store(unclipped + t, ratio)
     ratio = tl.maximum(ratio, tl.load(options + 5).to(tl.float32))
     if HAS_MAX:
@@ -214,7 +216,8 @@ def _adam_update(p_addresses, g_addresses, m_addresses, v_addresses, step_addres
     correction1 = 1 - tl.exp(step * tl.log(beta1_64))
     correction2_sqrt = tl.sqrt(1 - tl.exp(step * tl.log(beta2_64)))
     step_size = (lr64 / correction1).to(tl.float32)
-    p = p - step_size * m / (tl.sqrt(v) / correction2_sqrt.to(tl.float32) + eps)
+    denominator = tl.div_rn(tl.sqrt_rn(v), correction2_sqrt.to(tl.float32)) + eps
+    p = p - tl.div_rn(step_size * m, denominator)  # correctly rounded, as torch's kernels
     tl.store(m_ptr, m, mask=mask)
     tl.store(v_ptr, v, mask=mask)
     tl.store(p_ptr, p, mask=mask)
@@ -235,10 +238,20 @@ def _count_steps(step_addresses, tensors, found_inf, HAS_FOUND_INF: tl.constexpr
 # ---------------------------------------------------------------- steps
 
 
+def on_device_of(tensor: Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: make it the tensors'."""
+    return torch.cuda.device(tensor.device) if tensor.device.type == "cuda" else contextlib.nullcontext()
+
+
 def lars_step(table: TensorTable, group: dict, found_inf: Tensor | None) -> Tensor | None:
     """One FusedLARS step of `group` over `table` (columns: weights, gradients, momentum buffers); returns
     the tensors' trust ratios before the [min, max] clip (float32, on the device), None for an excluded
     group. The option keys are FusedLARS's."""
+    with on_device_of(table.addresses[0]):
+        return _lars_step(table, group, found_inf)
+
+
+def _lars_step(table: TensorTable, group: dict, found_inf: Tensor | None) -> Tensor | None:
     w, g, m = table.addresses
     device = w.device
     max_ratio = group["max_trust_ratio"]
@@ -268,6 +281,11 @@ def lars_step(table: TensorTable, group: dict, found_inf: Tensor | None) -> Tens
 def adam_step(table: TensorTable, group: dict, found_inf: Tensor | None, grad_scale: Tensor | None) -> None:
     """One torch.optim.Adam step (AdamW with ``decoupled_weight_decay``) of `group` over `table` (columns:
     params, gradients, exp_avg, exp_avg_sq, step); amsgrad and maximize are not taken."""
+    with on_device_of(table.addresses[0]):
+        _adam_step(table, group, found_inf, grad_scale)
+
+
+def _adam_step(table: TensorTable, group: dict, found_inf: Tensor | None, grad_scale: Tensor | None) -> None:
     p, g, m, v, steps = table.addresses
     beta1, beta2 = group["betas"]
     options = device_options([group["lr"], beta1, beta2, group["eps"], group["weight_decay"]], p.device)

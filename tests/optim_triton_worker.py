@@ -162,6 +162,30 @@ def adam_matches_torch() -> None:
 
 
 @check
+def options_given_as_tensors_are_read_on_the_device() -> None:
+    """A schedule may set lr and momentum as 0-d tensors: the same result as the same values as floats."""
+    for make in (lambda w: FusedLARS(w, lr=0.1, momentum=0.9, weight_decay=1e-4),
+                 lambda w: TritonAdam(w, lr=1e-2, weight_decay=0.1)):
+        floats, tensors = model(5), model(5)
+        a, b = make(floats), make(tensors)
+        for step in range(2):
+            for group in b.param_groups:
+                group["lr"] = torch.tensor(group["lr"] * (step + 1))
+                if "momentum" in group:
+                    group["momentum"] = torch.tensor(0.8)
+            for group in a.param_groups:
+                group["lr"] = a.defaults["lr"] * (step + 1)
+                if "momentum" in group:
+                    group["momentum"] = 0.8
+            gradients(floats, step)
+            gradients(tensors, step)
+            a.step()
+            b.step()
+        for x, y in zip(floats, tensors):
+            assert torch.equal(x, y), type(a).__name__
+
+
+@check
 def adam_state_dict_is_torch_fused_adams() -> None:
     """A TritonAdam checkpoint loads into torch's fused Adam, which then steps as TritonAdam does."""
     weights, opt, copies, _ = adam_pair(False, 0.1)

@@ -5,6 +5,7 @@ weights within float tolerance of an eager run's."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -88,10 +89,10 @@ def small_cnn() -> nn.Module:
                          nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
 
 
-def fit(tmp_path: Any, digits_root: Any, compile_mode: str, monkeypatch: pytest.MonkeyPatch
-        ) -> tuple[Trainer, dict[str, int]]:
-    """Two epochs of 3 steps at 12 and 16 px, deterministic, an evaluation after each; returns the trainer and
-    dynamo's count of compiled graphs at the end of `settle_choices` and at the end of fit."""
+def fit(tmp_path: Any, digits_root: Any, compile_mode: str, monkeypatch: pytest.MonkeyPatch,
+        phases: list[Phase] = PHASES, **train: Any) -> tuple[Trainer, dict[str, int]]:
+    """An epoch of 3 steps per phase (default: 12 and 16 px), deterministic, an evaluation after each; returns the
+    trainer and dynamo's count of compiled graphs at the end of `settle_choices` and at the end of fit."""
     import torch._dynamo.utils as dynamo_utils
 
     graphs: dict[str, int] = {}
@@ -105,11 +106,11 @@ def fit(tmp_path: Any, digits_root: Any, compile_mode: str, monkeypatch: pytest.
     topo = Topology()
     model = small_cnn()
     data = build_image_data(DataConfig(root=str(digits_root), backend="torchvision", workers=0), 0, 1, seed=0)
-    cfg = ClassificationTrainConfig(epochs=2, channels_last=False, amp="off", compile=compile_mode,
-                                    deterministic=True, max_steps_per_epoch=3, calibration_rounds=1,
-                                    choices_cache="none", target_top1=0)
-    task = ClassificationTask(model, data, topo, PHASES, cfg)
-    trainer = Trainer(LoopConfig(cfg, ScheduleConfig(phases=PHASES, total_epochs=2, warmup_epochs=0),
+    cfg = ClassificationTrainConfig(**{**dict(epochs=len(phases), channels_last=False, amp="off", compile=compile_mode,
+                                              deterministic=True, max_steps_per_epoch=3, calibration_rounds=1,
+                                              choices_cache="none", target_top1=0), **train})
+    task = ClassificationTask(model, data, topo, phases, cfg)
+    trainer = Trainer(LoopConfig(cfg, ScheduleConfig(phases=phases, total_epochs=len(phases), warmup_epochs=0),
                                  LogConfig(dir=str(tmp_path / compile_mode), progress=False, tensorboard=False)),
                       topo, task, Components(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                              LocalCommunicator(topo)))
@@ -136,4 +137,24 @@ def test_compiled_training_compiles_before_the_clock_and_matches_eager(tmp_path,
     assert measured.decision is not None and measured.decision.source == "measured"
     assert {"compile_off", "compile_default"} <= {part for label in measured.decision.costs_s
                                                   for part in label.split("-")}, measured.decision.costs_s
+    assert graphs["before the clock"] == graphs["after fit"], graphs
+
+
+@pytest.mark.e2e
+def test_every_measured_combination_and_shape_stays_compiled(tmp_path, digits_root, monkeypatch) -> None:
+    """compile, precision and memory layout all at auto over 3 training shapes: 24 combinations of choice and shape,
+    beyond dynamo's default limit of 8 graphs, past which it runs eager without a word. With the limit left alone
+    this raises (the test makes a hit fail, as the trainer does); dynamo's eager backend stands in for inductor (the
+    same guards and recompilations, nothing generated)."""
+    import trainer.compiling as compiling
+
+    monkeypatch.setattr(compiling, "BACKEND", "eager")
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    torch._dynamo.reset()
+    phases = [Phase(start_epoch=i, end_epoch=i + 1, image_size=px, batch_size=16) for i, px in enumerate((8, 12, 16))]
+    trainer, graphs = fit(tmp_path, digits_root, "auto", monkeypatch, phases, amp="auto", channels_last="auto")
+    decision = trainer.decision
+    assert decision is not None and decision.source == "measured" and len(decision.costs_s) == 8, decision.costs_s
+    assert all(cost is not None and math.isfinite(cost) for cost in decision.costs_s.values()), decision.costs_s
     assert graphs["before the clock"] == graphs["after fit"], graphs

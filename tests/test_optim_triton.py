@@ -22,7 +22,8 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.long  # one interpreter process of about 20 s
 
 CHECKS = ["lars_matches_reference_in_every_configuration", "lars_matches_reference_with_the_real_block_size",
-          "adam_matches_torch", "adam_state_dict_is_torch_fused_adams", "adam_honours_grad_scale",
+          "adam_matches_torch", "options_given_as_tensors_are_read_on_the_device",
+          "adam_state_dict_is_torch_fused_adams", "adam_honours_grad_scale",
           "found_inf_leaves_everything_as_it_was", "launches_do_not_grow_with_the_number_of_tensors"]
 
 

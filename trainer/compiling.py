@@ -8,6 +8,10 @@ warm-up round, before the clock. The model is compiled in place (`nn.Module.comp
 hooks and state_dict keys, so checkpoints and export do not change. Shapes are static (`dynamic=False`): one graph
 per phase's training shape. Evaluation runs eager: rectangular validation batches come in many shapes, each one
 would compile anew.
+
+dynamo keeps at most `recompile_limit` graphs per code object and, past it, runs eager without a word; every
+module compiled in place shares one code object, and every shape, precision, layout and mode is one more graph.
+`allow_graphs` raises the limit to what the run needs and makes a run past it fail loudly instead.
 """
 
 from __future__ import annotations
@@ -22,7 +26,18 @@ from torch import nn
 from trainer.config import ConfigError
 
 MODES = ("off", "default", "reduce-overhead")
+BACKEND = "inductor"
+"""torch.compile's backend; the tests set "eager" (the same guards and recompilations, no code generated)."""
 _compiled: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def allow_graphs(graphs: int) -> None:
+    """Let dynamo keep `graphs` compiled variants (with a margin for dynamo's own), and raise rather than fall back
+    to eager past that."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, graphs + 8)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 2 * graphs + 16)
+    config.fail_on_recompile_limit_hit = True
 
 
 def graph_blockers(device: torch.device, world_size: int) -> list[str]:
@@ -59,12 +74,18 @@ def apply_compile(model: nn.Module, mode: str) -> None:
         raise ValueError(f"apply_compile: mode must be one of {MODES}, got {mode!r}")
     if _compiled.get(model, "off") == mode:
         return
+    if _compiled.get(model) == "reduce-overhead" and torch.cuda.is_available():
+        # The recorded graphs hold their memory pool until reset: a measured candidate must not keep it.
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+        reset_cudagraph_trees()
     if mode == "off":
         # nn.Module.compile keeps the compiled call here and has no public inverse; dynamo's cache of the graphs
         # stays, so compiling in the same mode again costs no new compilation.
         model._compiled_call_impl = None
-    else:
+    elif BACKEND == "inductor":
         model.compile(mode=None if mode == "default" else mode, dynamic=False)
+    else:
+        model.compile(backend=BACKEND, dynamic=False)
     _compiled[model] = mode
 
 

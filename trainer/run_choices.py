@@ -19,7 +19,7 @@ import torch
 from trainer.choices import (Choice, ChoiceCache, Decision, Probe, Timer, checked_choice, decide, label, run_key,
                              wall_timer)
 from trainer.comm.sparse import SparseLocalWork
-from trainer.compiling import apply_compile, eager
+from trainer.compiling import allow_graphs, apply_compile, eager
 from trainer.dist import Topology
 from trainer.precision import AMP_DTYPES, autocast
 
@@ -195,6 +195,9 @@ def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tu
     task, comm = run_step.task, run_step.comm
     space = {"amp": amp_candidates, **({"compile": list(compile_modes)} if list(compile_modes) != ["off"] else {}),
              **task.choice_space()}
+    if list(compile_modes) != ["off"]:
+        # a graph per combination and shape (training probes and the compiled ones of the task's own)
+        allow_graphs(math.prod(len(v) for v in space.values()) * len(task.probes(phases)))
     selection = comm.selection_candidates()
     timer = timer or wall_timer(topo.device)
     total_steps = sum(steps for _, steps, _ in phases)
