@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from scripts.bench import common
 from scripts.bench.common import bench_parser, emit_result, print_table, record_run
-from trainer.comm.plan import KINDS as FIXED
+from trainer.comm.plan import AUTO_KINDS as FIXED
 from trainer.comm.emulated import renamed
 
 EXCHANGES: dict[str, dict[str, Any] | None] = {
@@ -56,7 +56,7 @@ EXCHANGES: dict[str, dict[str, Any] | None] = {
     **{kind: {"kind": "dense", "compression": "fp16"} if kind == "dense16" else {"kind": kind} for kind in FIXED},
     "auto": {"kind": "auto", "compression": "fp16"}}
 """What each cell measures -> its comm config overrides: the step without exchange (compute only), the fixed
-exchanges by the kinds of trainer/comm/plan.py (`KINDS`, the cost model's; dense16 is dense on an fp16 wire),
+exchanges auto chooses among (trainer/comm/plan.py's `AUTO_KINDS`; dense16 is dense on an fp16 wire),
 and `comm.kind: auto` with its default calibration and trials, choosing among the same four (its 16-bit wire:
 fp16)."""
 

@@ -11,11 +11,13 @@ from trainer.comm.base import CommTimeoutError, Communicator, LocalCommunicator
 from trainer.comm.config import CommConfig, CommKind
 from trainer.comm.dense import DenseAllreduce
 from trainer.comm.execute import PlanExecutor
+from trainer.comm.powersgd import PowerSGDCommunicator
 from trainer.comm.sparse import TopKCommunicator, flat_topk, hierarchical_topk
 from trainer.dist import Topology
 
-__all__ = ["AutoCommunicator", "CommConfig", "CommKind", "CommTimeoutError", "Communicator", "DenseAllreduce", "LocalCommunicator",
-           "PlanExecutor", "TopKCommunicator", "build_communicator", "flat_topk", "hierarchical_topk"]
+__all__ = ["AutoCommunicator", "CommConfig", "CommKind", "CommTimeoutError", "Communicator", "DenseAllreduce",
+           "LocalCommunicator", "PlanExecutor", "PowerSGDCommunicator", "TopKCommunicator", "build_communicator",
+           "flat_topk", "hierarchical_topk"]
 
 
 def _dense(cfg: CommConfig, model: nn.Module, topo: Topology) -> DenseAllreduce:
@@ -26,6 +28,7 @@ BUILDERS: dict[CommKind, Callable[[CommConfig, nn.Module, Topology], Communicato
     "dense": _dense,
     "topk": flat_topk,
     "hitopk": hierarchical_topk,
+    "powersgd": PowerSGDCommunicator,
     "auto": AutoCommunicator,
 }
 """`comm.kind` -> the builder of that communicator for a run of several processes."""

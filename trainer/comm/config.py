@@ -1,4 +1,4 @@
-"""The `comm` section: which gradient exchange, its bucket size, wire dtype and top-k settings."""
+"""The `comm` section: which gradient exchange, its bucket size, wire dtype, top-k and PowerSGD settings."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Literal
 
 from trainer.config import require
 
-CommKind = Literal["dense", "topk", "hitopk", "auto"]
+CommKind = Literal["dense", "topk", "hitopk", "powersgd", "auto"]
 """The values of `comm.kind`."""
 Compression = Literal["none", "fp16", "bf16"]
 """The values of `comm.compression`."""
@@ -17,7 +17,8 @@ Compression = Literal["none", "fp16", "bf16"]
 class CommConfig:
     kind: CommKind = "dense"
     """Gradient exchange: dense = bucketed allreduce; topk = every rank's top-k with error feedback,
-    allgathered; hitopk = the paper's hierarchical top-k (dense inside a node, sparse between nodes); auto =
+    allgathered; hitopk = the paper's hierarchical top-k (dense inside a node, sparse between nodes); powersgd =
+    PowerSGD's rank-r approximation of each gradient matrix with error feedback (two small allreduces); auto =
     measure the cluster during the dense warm-up, then per bucket the exchange (dense fp32, dense 16-bit,
     topk, hitopk) and density with the least predicted exposed time (docs/communicators.md)."""
     bucket_mb: float = 25.0
@@ -28,9 +29,9 @@ class CommConfig:
     density: float = 0.01
     """topk/hitopk: fraction of each bucket (of each rank's 1/L shard for hitopk) sent per step."""
     dense_below: int = 16384
-    """topk/hitopk: buckets with fewer elements go through a dense allreduce."""
+    """topk/hitopk/powersgd: buckets with fewer elements go through a dense allreduce."""
     dense_warmup_steps: int = 0
-    """topk/hitopk: the first steps use a dense allreduce for every bucket (stable start)."""
+    """topk/hitopk/powersgd: the first steps use a dense allreduce for every bucket (stable start)."""
     densities: list[float] = field(default_factory=lambda: [0.01, 0.003, 0.001])
     """auto: the densities it may choose from (those below min_density are left out)."""
     min_density: float = 0.01
@@ -52,6 +53,10 @@ class CommConfig:
     (trainer/choices.py). They may pick different elements on ties and near the threshold."""
     selection_iters: int = 20
     """topk/hitopk: MSTopK bisection steps (more = closer to the exact top-k, same cost on the CPU path)."""
+    powersgd_rank: int = 2
+    """powersgd: rank r of each gradient matrix's approximation (rows x r and cols x r factors are sent)."""
+    powersgd_warm_start: bool = True
+    """powersgd: start each step's power iteration from the previous step's Q (else from a fresh random one)."""
 
     def __post_init__(self) -> None:
         require(self.bucket_mb > 0, f"comm.bucket_mb: must be > 0, got {self.bucket_mb}")
@@ -74,3 +79,4 @@ class CommConfig:
                 f"comm.selection: must be auto, mstopk or torch, got {self.selection!r}")
         require(1 <= self.selection_iters <= 32,
                 f"comm.selection_iters: must be in [1, 32], got {self.selection_iters}")
+        require(self.powersgd_rank >= 1, f"comm.powersgd_rank: must be >= 1, got {self.powersgd_rank}")

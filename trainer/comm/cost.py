@@ -7,7 +7,12 @@ and `KINDS`, are trainer/comm/plan.py's, re-exported here):
 - topk: every rank selects k = ceil(density n) of its residual-corrected bucket, allgathers (value, index)
   pairs with every rank and scatter-adds them;
 - hitopk: intra-node reduce-scatter, selection on this rank's 1/L shard, allgather of the pairs among the
-  N nodes' ranks of this local rank (the L local ranks share the node's link), intra-node allgather.
+  N nodes' ranks of this local rank (the L local ranks share the node's link), intra-node allgather;
+- powersgd: an allreduce of the tensors it leaves uncompressed, then per round one allreduce of the low-rank
+  factors of all the bucket's compressed matrices (P: rows x r each, then Q: cols x r each), and the
+  matrix products and orthogonalisations around them (`Exchange.flops`). Its bytes depend on the bucket's
+  tensor shapes, which the caller passes (`matrices`); the planner and `auto` know only bucket sizes and
+  do not consider it.
 The communicators count their bytes from this description (`sent_bytes`), the `auto` communicator times
 it with the links it measured, and the planner (`trainer/comm/planner.py`) times it with a cluster's links.
 
@@ -71,6 +76,9 @@ class Exchange:
     """Pairs this rank sends (sparse)."""
     cast_elements: int = 0
     """Elements cast to and from a 16-bit wire dtype."""
+    flops: float = 0.0
+    """Floating-point operations of local compute besides selection (powersgd's products and
+    orthogonalisations); not timed by `Network`: no communicator measures a rate for them yet."""
 
 
 def k_of(size: int, density: float) -> int:
@@ -78,10 +86,21 @@ def k_of(size: int, density: float) -> int:
     return min(size, max(1, math.ceil(density * size)))
 
 
-def describe(n: int, choice: Choice, layout: Layout) -> Exchange:
-    """The collectives and local work of one bucket of n fp32 gradients exchanged as `choice`."""
+def describe(n: int, choice: Choice, layout: Layout, matrices: Sequence[tuple[int, int, int]] | None = None
+             ) -> Exchange:
+    """The collectives and local work of one bucket of n fp32 gradients exchanged as `choice`; powersgd needs
+    the (rows, cols, rank) of the bucket's compressed matrices (`matrices`), its other elements go dense."""
     if layout.world == 1:
         return Exchange(())
+    if choice.kind == "powersgd":
+        if matrices is None:
+            raise ValueError("describe: a powersgd exchange depends on the bucket's tensor shapes; pass its matrices")
+        dense = n - sum(rows * cols for rows, cols, _ in matrices)
+        factors = (Collective("allreduce", 4 * sum(rows * r for rows, _, r in matrices), "world"),
+                   Collective("allreduce", 4 * sum(cols * r for _, cols, r in matrices), "world")) if matrices else ()
+        # P = M Q, Q = M^T P, M_hat = P Q^T (2 rows cols r each); Gram-Schmidt of P and of the warm-started Q
+        flops = sum(6 * rows * cols * r + 2 * (rows + cols) * r * r for rows, cols, r in matrices)
+        return Exchange(((Collective("allreduce", 4 * dense, "world"),) if dense else ()) + factors, flops=flops)
     if choice.kind == "dense":
         return Exchange((Collective("allreduce", 4 * n, "world"),))
     if choice.kind == "dense16":

@@ -9,14 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-KINDS = ("dense", "dense16", "topk", "hitopk")
-"""The per-bucket exchanges: dense fp32, dense on a 16-bit wire, flat top-k, hierarchical top-k."""
+KINDS = ("dense", "dense16", "topk", "hitopk", "powersgd")
+"""The per-bucket exchanges: dense fp32, dense on a 16-bit wire, flat top-k, hierarchical top-k, PowerSGD's
+low-rank factors (trainer/comm/powersgd.py)."""
 
 CODES = {kind: i for i, kind in enumerate(KINDS)}
-"""A choice's number in the logged stats (`comm/choice/<bucket>`): 0 dense, 1 dense16, 2 topk, 3 hitopk."""
+"""A choice's number in the logged stats (`comm/choice/<bucket>`): 0 dense, 1 dense16, 2 topk, 3 hitopk,
+4 powersgd (new kinds go last: checkpoints record residual kinds by these numbers)."""
 
 SPARSE = ("topk", "hitopk")
 """The kinds that send a fraction (`Choice.density`) of a bucket and keep the rest as error feedback."""
+
+COMPRESSED = (*SPARSE, "powersgd")
+"""The lossy kinds, each with error feedback: a fixed plan leaves buckets below `comm.dense_below` dense."""
+
+AUTO_KINDS = ("dense", "dense16", *SPARSE)
+"""The kinds `comm.kind: auto` chooses among per bucket (the cost model predicts them from a bucket's size alone)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,6 @@ def plan_summary(plan: Sequence[Choice]) -> str:
 
 def fixed_plan(kind: str, sizes: Sequence[int], density: float = 1.0, dense_below: int = 0) -> Plan:
     """The plan of a fixed `kind` for buckets of `sizes` elements: every bucket takes `kind`, except that a
-    sparse kind (sent at `density`) leaves buckets below `dense_below` elements dense."""
+    compressed kind (a sparse one sent at `density`, or powersgd) leaves buckets below `dense_below` elements dense."""
     choice = Choice(kind, density if kind in SPARSE else 1.0)
-    return tuple(choice if not choice.sparse or n >= dense_below else DENSE for n in sizes)
+    return tuple(choice if kind not in COMPRESSED or n >= dense_below else DENSE for n in sizes)
