@@ -204,3 +204,13 @@ netem-run: setup
 ## print the cost model's plan for CONFIG (scripts/plan.py); RUN=<run folder of comm.kind auto>: replan its calibration
 plan: setup
 	$(PY) -m scripts.plan --config $(CONFIG) $(if $(RUN),--from-run $(RUN)) $(ARGS)
+
+# A real single-node Slurm cluster on this machine (root; scripts/slurm/local_cluster.sh, tests/slurm_cluster.py):
+# apt-get installs Slurm and munge if missing; `make slurm-up` prints the `export SLURM_CONF=...` for sbatch.
+.PHONY: slurm-up slurm-down
+## start a one-node Slurm cluster on this machine, to try scripts/slurm/*.sbatch on (root)
+slurm-up: setup
+	PYTHON=$(PY) scripts/slurm/local_cluster.sh up
+## stop it: cancel its jobs, stop its daemons, remove its folder
+slurm-down: setup
+	PYTHON=$(PY) scripts/slurm/local_cluster.sh down

@@ -26,7 +26,8 @@ import torch
 from tests.conftest import rejoin_group, run_ranks
 from tests.faults.inject import Fault, install
 from tests.test_trainer import TINY, phases
-from trainer.checkpoint import (MANIFEST, MODEL, CheckpointWriteError, checkpoint_dirs,
+from trainer.checkpoint import (MANIFEST, MODEL, CheckpointFolderError, CheckpointWriter, CheckpointWriteError,
+                                checkpoint_dirs,
                                 collect_rank_records, latest_checkpoint, prune, rank_file, step_dir_name,
                                 write_atomic, write_manifest, write_rank_files)
 from trainer.comm import LocalCommunicator
@@ -413,3 +414,31 @@ def test_a_checkpoint_reads_the_communicators_state_once(tmp_path):
     state, _ = latest_checkpoint(tmp_path)
     assert torch.equal(state["ranks"][0]["comm"]["residuals"][0], torch.tensor([1.0, 2.0, 3.0]))
     assert state["comm_per_rank"] == ["residuals"] and state["comm_shared"] == {"steps": 0}
+
+
+# ---------------------------------------------------------------- an unwritable checkpoint folder
+
+
+@pytest.mark.unit
+def test_an_unwritable_checkpoint_folder_is_refused_at_the_writers_setup_in_one_line(tmp_path, monkeypatch):
+    """A read-only mount refuses the probe file (root included; permission bits would pass root): the writer's
+    setup raises one line naming the folder, before any step. tests/test_slurm_real.py mounts a real one."""
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr("trainer.checkpoint.tempfile.mkstemp", read_only)
+    with pytest.raises(CheckpointFolderError) as e:
+        CheckpointWriter(tmp_path / "checkpoints", rank=0, world_size=1)
+    assert str(e.value) == (f"{tmp_path / 'checkpoints'} (its parent {tmp_path}) is not writable (Read-only file "
+                            "system): no checkpoint could be saved; point log.dir at a writable folder")
+    assert e.value.errno == errno.EROFS and "\n" not in str(e.value)
+
+
+@pytest.mark.unit
+def test_the_writable_check_creates_no_folder_and_leaves_no_probe(tmp_path):
+    """A fresh run's folder is probed in its nearest existing parent and not created (a fresh run archives the
+    outputs it finds, an empty checkpoints folder included); an existing one keeps no probe file."""
+    CheckpointWriter(tmp_path / "run" / "checkpoints", rank=0, world_size=1)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "checkpoints").mkdir()
+    CheckpointWriter(tmp_path / "checkpoints", rank=0, world_size=1)
+    assert list((tmp_path / "checkpoints").iterdir()) == []

@@ -62,7 +62,8 @@ def stand_ins(tmp: Path) -> dict[str, str]:
         (bin_dir / name).chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
             "TORCHRUN": str(bin_dir / "torchrun"), "SLURM_JOB_ID": "4242", "SLURM_NNODES": "1",
-            "SLURM_JOB_NODELIST": "node0", "SLURM_NODEID": "0", "SLURM_GPUS_PER_NODE": "2", "NOCOPY": "1"}
+            "SLURM_JOB_NODELIST": "node0", "SLURM_NODEID": "0", "SLURM_GPUS_PER_NODE": "2", "NOCOPY": "1",
+            "LOCAL": str(tmp / "local")}
 
 
 def wait_for(path: Path, proc: subprocess.Popen, seconds: float = 120) -> None:
@@ -102,8 +103,23 @@ def test_a_requeued_job_resumes_and_a_finished_one_is_not_requeued(corpus, tmp_p
     result = subprocess.run(["bash", "scripts/slurm/transformer_wmt.sbatch"], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "--resume" in (log / "torchrun.args").read_text().split()
+    args = (log / "torchrun.args").read_text().split()
+    # before every key=value: argparse takes no positional words after an option that follows some
+    assert "--resume" in args and args.index("--resume") < min(i for i, a in enumerate(args) if "=" in a)
     assert "requeue" not in (log / "scontrol").read_text()
+
+
+@pytest.mark.parametrize("gpus, slurm_gpus, nproc", [("", "a100:8", "8"), ("2", "0", "2")])
+def test_the_ranks_per_node_come_from_gpus_or_the_jobs_gpu_count(corpus, tmp_path, gpus, slurm_gpus, nproc):
+    """--gpus-per-node=a100:8 gives SLURM_GPUS_PER_NODE=a100:8 (8 ranks); GPUS=2 wins over a CPU job's 0."""
+    env = {**stand_ins(tmp_path), "DATA": str(corpus), "RUN_DIR": str(tmp_path / "run"), "GPUS": gpus,
+           "SLURM_GPUS_PER_NODE": slurm_gpus}
+    (tmp_path / "log" / "finish").touch()
+    result = subprocess.run(["bash", "scripts/slurm/transformer_wmt.sbatch"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    args = (tmp_path / "log" / "torchrun.args").read_text().split()
+    assert args[args.index("--nproc_per_node") + 1] == nproc
 
 
 def test_a_missing_corpus_stops_the_job_before_any_rank_starts(tmp_path):

@@ -19,12 +19,14 @@ the older checkpoints as they were. Every file opens with torch.load(weights_onl
 
 from __future__ import annotations
 
+import errno as errnos
 import hashlib
 import io
 import json
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 import warnings
@@ -53,6 +55,30 @@ class CheckpointWriteError(OSError):
     def __init__(self, message: str, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
+
+
+class CheckpointFolderError(CheckpointWriteError):
+    """The checkpoint folder cannot be written at all (a read-only mount, no permission): found at start-up,
+    before any step is trained; the message is one line."""
+
+
+def require_writable(folder: str | Path) -> None:
+    """Raise CheckpointFolderError unless a file can be created in `folder` (RUN/checkpoints), or, while it does
+    not exist yet, in its nearest existing parent (it is not created here: a fresh run's archiving of an earlier
+    run's outputs must not find an empty one). A probe file is created and removed: permission bits alone say
+    nothing for root, and a read-only mount refuses root too."""
+    folder = Path(folder).absolute()
+    probe_in = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
+    try:
+        if probe_in is None:
+            raise FileNotFoundError(errnos.ENOENT, "no existing parent folder")
+        fd, name = tempfile.mkstemp(prefix=".writable-", dir=probe_in)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        where = "" if probe_in == folder else f" (its parent {probe_in})"
+        raise CheckpointFolderError(f"{folder}{where} is not writable ({e.strerror or e}): no checkpoint could be "
+                                    "saved; point log.dir at a writable folder", e.errno) from None
 
 
 def step_dir_name(step: int) -> str:
@@ -86,6 +112,13 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def describe_os_error(error: OSError) -> str:
+    """`No space left on device (ENOSPC)`: the system's words and the errno's name, which is what people search
+    for and what a full disk is recognized by in logs."""
+    name = errnos.errorcode.get(error.errno) if error.errno is not None else None
+    return f"{error.strerror or error} ({name})" if name else str(error.strerror or error)
+
+
 def write_atomic(path: Path, payload: bytes) -> None:
     """Write `payload` to `path` so that readers see either the old file or the complete new one; on failure
     (a full disk) the temporary file is removed and a CheckpointWriteError says what was kept."""
@@ -99,8 +132,8 @@ def write_atomic(path: Path, payload: bytes) -> None:
         _fsync_dir(path.parent)
     except OSError as e:
         raise CheckpointWriteError(f"could not write checkpoint file {path} ({len(payload) / 1e6:.1f} MB): "
-                                   f"{e.strerror or e}; the previous checkpoints in {path.parent.parent} are intact",
-                                   e.errno) from e
+                                   f"{describe_os_error(e)}; the previous checkpoints in {path.parent.parent} are "
+                                   "intact", e.errno) from e
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -243,8 +276,10 @@ def write_rank_files(ckpt_dir: Path, files: dict[str, Any], rank: int, token: st
     write_atomic(ckpt_dir / _rank_record(rank), json.dumps({"rank": rank, "token": token, "files": entries}).encode())
 
 
-def collect_rank_records(ckpt_dir: Path, world_size: int, token: str, timeout_s: float) -> dict[str, Any]:
-    """Every rank's file entries for the manifest, waiting up to `timeout_s` for ranks still writing."""
+def collect_rank_records(ckpt_dir: Path, world_size: int, token: str, timeout_s: float,
+                         stop: threading.Event | None = None) -> dict[str, Any]:
+    """Every rank's file entries for the manifest, waiting up to `timeout_s` for ranks still writing, or until
+    `stop` is set (the ranks learnt that one of them failed: a rank whose disk is full cannot record that)."""
     files: dict[str, Any] = {}
     deadline = time.monotonic() + timeout_s
     for rank in range(world_size):
@@ -256,6 +291,9 @@ def collect_rank_records(ckpt_dir: Path, world_size: int, token: str, timeout_s:
                 record = None
             if record is not None and record.get("token") == token:
                 break
+            if stop is not None and stop.is_set():
+                raise CheckpointWriteError(f"stopped waiting for rank {rank}'s part of {ckpt_dir}: a rank could "
+                                           "not write its part; the previous checkpoints are intact")
             if time.monotonic() > deadline:
                 raise CheckpointWriteError(f"rank {rank} did not finish writing its part of {ckpt_dir} within "
                                            f"{timeout_s:.0f}s; the previous checkpoints are intact")
@@ -302,9 +340,14 @@ class CheckpointWriter:
     def __init__(self, folder: str | Path, rank: int, world_size: int, keep: int = 2,
                  wait_timeout_s: float = 600.0) -> None:
         self.folder = Path(folder)
+        require_writable(self.folder)  # at setup, not at the first checkpoint: a run that could save none stops
         self.rank, self.world_size, self.keep = rank, world_size, keep
         self.wait_timeout_s = wait_timeout_s
-        self._pending: Future | None = None
+        self.pending_step: int | None = None
+        """The step of the background write not yet waited for (None: none)."""
+        self._written: Future | None = None  # this rank's own files and record
+        self._pending: Future | None = None  # all of it: on rank 0 also the manifest and pruning
+        self._stop = threading.Event()
 
     def write(self, step: int, files: dict[str, Any], token: str) -> Path:
         """This rank's `files` of checkpoint `step` (file name → object); returns the folder. The folder becomes
@@ -314,10 +357,10 @@ class CheckpointWriter:
         return ckpt_dir
 
     def finish(self, step: int, token: str) -> Path:
-        """Rank 0, once every rank wrote its part (or while they do: it waits for their records): the manifest,
-        then pruning."""
+        """Rank 0, once every rank wrote its part (or while they do: it waits for their records, or until
+        `abort`): the manifest, then pruning."""
         ckpt_dir = self.folder / step_dir_name(step)
-        files = collect_rank_records(ckpt_dir, self.world_size, token, self.wait_timeout_s)
+        files = collect_rank_records(ckpt_dir, self.world_size, token, self.wait_timeout_s, self._stop)
         write_manifest(ckpt_dir, step, self.world_size, files)
         prune(self.folder, self.keep)
         return ckpt_dir
@@ -330,35 +373,63 @@ class CheckpointWriter:
         CheckpointWriteError, if it failed."""
         self.wait()
         snapshot = {name: obj if name in copied else to_host(obj) for name, obj in files.items()}
-        pending: Future = Future()
+        written, pending = Future(), Future()
+        self._stop.clear()
         # A daemon thread: a process leaving on an error does not wait for a write (rank 0's wait for the other
         # ranks' records can last wait_timeout_s); the files are atomic, so a write cut short leaves no torn one.
         # The run waits for its writes on the normal path (`wait`).
-        threading.Thread(target=self._write_and_finish, args=(pending, step, snapshot, token),
+        threading.Thread(target=self._write_and_finish, args=(written, pending, step, snapshot, token),
                          name="checkpoint-writer", daemon=True).start()
-        self._pending = pending
+        self._written, self._pending, self.pending_step = written, pending, step
 
-    def _write_and_finish(self, pending: Future, step: int, files: dict[str, Any], token: str) -> None:
+    def _write_and_finish(self, written: Future, pending: Future, step: int, files: dict[str, Any],
+                          token: str) -> None:
+        written.set_running_or_notify_cancel()
         pending.set_running_or_notify_cancel()
         start = time.perf_counter()
         try:
             self.write(step, files, token)
+        except BaseException as e:  # noqa: BLE001 - handed to `wait`, which raises it on the training thread
+            written.set_exception(e)
+            pending.set_exception(e)
+            return
+        written.set_result(time.perf_counter() - start)
+        try:
             if self.rank == 0:
                 self.finish(step, token)
-        except BaseException as e:  # noqa: BLE001 - handed to `wait`, which raises it on the training thread
+        except BaseException as e:  # noqa: BLE001
             pending.set_exception(e)
         else:
             pending.set_result(time.perf_counter() - start)
+
+    def wait_written(self) -> None:
+        """Wait for this rank's own part of a background write (its files and record; not rank 0's manifest)
+        and raise its error as a CheckpointWriteError, if it failed. Every rank can wait for this without
+        waiting for the others."""
+        if self._written is not None:
+            self._result(self._written)
+
+    def abort(self) -> None:
+        """Give up the background write after a rank failed: rank 0's thread stops waiting for records that
+        will not come; returns once the thread is done (whatever it raised is dropped: the caller reports the
+        failure)."""
+        pending, self._written, self._pending, self.pending_step = self._pending, None, None, None
+        self._stop.set()
+        if pending is not None:
+            pending.exception()  # waits for the thread, without raising what it raised
 
     def wait(self) -> float | None:
         """Wait for a background write; return the seconds its thread took (None when none was pending), or
         raise its error as a CheckpointWriteError (the caller stops every rank on it, whatever went wrong in the
         writer)."""
-        pending, self._pending = self._pending, None
+        pending, self._written, self._pending, self.pending_step = self._pending, None, None, None
         if pending is None:
             return None
+        return self._result(pending)
+
+    def _result(self, future: Future) -> float:
         try:
-            return pending.result()
+            return future.result()
         except CheckpointWriteError:
             raise
         except Exception as e:  # noqa: BLE001 - e.g. a pickling error or MemoryError in the writer thread

@@ -182,27 +182,48 @@ class Checkpointer:
         self.seconds += time.perf_counter() - start
 
     def wait(self) -> None:
-        """Collective: wait for a background checkpoint write; all ranks stop together if one failed."""
-        error = ""
+        """Collective: wait for a background checkpoint write; all ranks stop together if one failed, rank 0
+        removing the unfinished folder. First every rank's own part, then rank 0's manifest: a rank that cannot
+        write (a full disk) cannot record that either, and rank 0 must not wait for its record."""
+        step = self.writer.pending_step
+        if step is None:  # the same on every rank: background writes start and end together
+            return
+        ckpt_dir, error = self.writer.folder / step_dir_name(step), ""
         try:
-            seconds = self.writer.wait()  # the thread's part; a foreground write does the snapshot too
-            self.write_s = self.write_s if seconds is None else self._snapshot_s + seconds
+            self.writer.wait_written()
         except CheckpointWriteError as e:
             error = str(e)
-        self.raise_if_failed(error)
+        failed = self.any_failed(error)
+        if failed:
+            self.writer.abort()
+            self.raise_if_failed(error, ckpt_dir, step, failed)
+        try:
+            seconds = self.writer.wait()  # rank 0: the manifest and pruning; the others' threads are done
+            self.write_s = self._snapshot_s + seconds if seconds is not None else self.write_s
+        except CheckpointWriteError as e:
+            error = str(e)
+        self.raise_if_failed(error, ckpt_dir, step)
 
-    def raise_if_failed(self, error: str, ckpt_dir: Path | None = None) -> None:
-        """Collective: stop every rank if any rank's `error` is set (the others would otherwise wait in the
-        next collective); rank 0 first removes the unfinished `ckpt_dir`, whose writers are all done."""
+    def any_failed(self, error: str) -> int:
+        """Collective: how many ranks have an `error`."""
         (failed,) = all_reduce_sum([1.0 if error else 0.0], self.topo)
+        return int(failed)
+
+    def raise_if_failed(self, error: str, ckpt_dir: Path | None = None, step: int | None = None,
+                        failed: int | None = None) -> None:
+        """Collective (unless the ranks have just counted the `failed` ones): stop every rank if any rank's
+        `error` is set (the others would otherwise wait in the next collective); rank 0 first removes the
+        unfinished `ckpt_dir` of the checkpoint of `step` (default: this step), whose writers are all done."""
+        failed = self.any_failed(error) if failed is None else failed
         if not failed:
             return
         if ckpt_dir is not None and self.topo.is_main:
             shutil.rmtree(ckpt_dir, ignore_errors=True)
-        raise CheckpointWriteError(f"step {self.run.step}: {error}; stopping (free space, or point log.dir "
-                                   "elsewhere, then resume)" if error else
-                                   f"step {self.run.step}: {int(failed)} rank(s) could not write their part of the "
-                                   "checkpoint (their errors say why); stopping with the previous checkpoints intact")
+        step = self.run.step if step is None else step
+        raise CheckpointWriteError(f"step {step}: {error}; stopping (free space, or point log.dir elsewhere, then "
+                                   "resume)" if error else
+                                   f"step {step}: {failed} rank(s) could not write their part of the checkpoint "
+                                   "(their errors say why); stopping with the previous checkpoints intact")
 
     # ------------------------------------------------------------ resume
 

@@ -25,6 +25,7 @@ from trainer.comm import CommConfig, Communicator, build_communicator
 from trainer.compiling import compile_candidates, eager
 from trainer.config import ConfigError, to_dict
 from trainer.dist import ReplicaGuard, Topology, all_reduce_sum, broadcast_flag, broadcast_module
+from trainer.metrics import StepTimeSpread
 from trainer.nonfinite import NonfiniteSteps, takes_found_inf
 from trainer.optim import optimizer_metrics, set_lr_momentum
 from trainer.precision import AMP_DTYPES, amp_candidates, autocast, build_grad_scaler
@@ -52,6 +53,8 @@ class Trainer:
         self.topo, self.task = topo, task
         self.model, self.optimizer, self.comm = components.model, components.optimizer, components.comm
         self.metrics = components.metrics
+        self.spread = StepTimeSpread(topo.rank, topo.world_size)
+        """Each rank's own seconds per step, gathered at log steps: which rank is slow (trainer/metrics.py)."""
         self.guard = components.guard or ReplicaGuard(0, topo)
         self.schedule = build_schedule(cfg.schedule, self.optimizer, cfg.train.epochs)
         self.amp_candidates = amp_candidates(cfg.train.amp, topo.device)
@@ -199,10 +202,14 @@ class Trainer:
     def train_step(self, batch: Any) -> tuple[torch.Tensor, int, dict[str, float]]:
         """Forward, backward (buckets launch from hooks), wait for the gradient exchange, optimizer step;
         (the loss, this rank's units, the communicator's stats)."""
+        start = time.perf_counter()
         self.model.train()
         with self.autocast():
             loss, units = self.task.loss(batch)
         self.backward(loss)
+        # This rank's own time: up to the wait for the exchange (the slowest rank's gradients), and before any
+        # host sync of the step (a loss scaler's or the host check's), which a GPU would spend waiting for it too.
+        self.spread.add(time.perf_counter() - start)
         comm_stats = self.comm.finish()
         once = self.comm.pop_records()
         if once:  # e.g. the auto communicator's calibration, read back by `scripts/plan.py --from-run`
@@ -340,6 +347,7 @@ class Trainer:
         """The rest of the epoch: from `self.step_in_epoch` (0, or where a mid-epoch checkpoint was taken)."""
         steps, first = self.steps_per_epoch(phase), self.step_in_epoch
         epoch, window, done = Meter(), Meter(), 0
+        self.spread.reset()  # the same window as `window`
         loss_sum = torch.zeros((), device=self.topo.device)  # summed on the device: no per-step host sync
         batches = self.task.train_batches(phase, self.epoch, first) if first < steps else iter(())
         for i in range(first, steps):
@@ -402,16 +410,21 @@ class Trainer:
 
     def log_step(self, epoch: float, loss: torch.Tensor, lr: float, momentum: float | None,
                  comm_stats: dict[str, float], window: Meter, bar: tqdm | ProgressLines) -> None:
-        """The step record: loss, schedule, throughput and data wait over the window, comm and optimizer stats."""
+        """Collective: the step record: loss, schedule, throughput and data wait over the window, the ranks' spread
+        of own seconds per step (and a line naming a slow rank: `StepTimeSpread`), comm and optimizer stats."""
         self.raise_if_nonfinite("at a log step")
         value = float(loss)
-        (units,) = all_reduce_sum([window.units], self.topo)  # every rank's, not ours times W
+        # every rank's units, not ours times W, and every rank's own seconds per step, in one all-reduce
+        units, *seconds = all_reduce_sum([window.units, *self.spread.share(window.data_s)], self.topo)
+        spread, slow = self.spread.observe(seconds, self.step - window.steps + 1, self.step)
+        for line in slow if self.topo.is_main else []:
+            write_line(line)
         self.metrics.log("step", self.step, {
             "epoch": epoch, "loss/train": value, "schedule/lr": lr,
             **({} if momentum is None else {"schedule/momentum": momentum}),
             f"time/{self.task.unit}_per_s": units / (time.perf_counter() - window.start),
             "time/data_wait_s": window.data_s / max(1, window.steps), "train/skipped_steps": self.skipped_steps,
-            **{f"comm/{k}": v for k, v in comm_stats.items()}, **optimizer_metrics(self.optimizer)})
+            **spread, **{f"comm/{k}": v for k, v in comm_stats.items()}, **optimizer_metrics(self.optimizer)})
         bar.set_postfix(epoch=self.epoch, loss=f"{value:.3f}", lr=f"{lr:.3g}")
 
     def log_epoch(self, record: dict[str, float], epoch_start: float) -> None:

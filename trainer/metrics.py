@@ -4,7 +4,8 @@ plus the writers a task adds (the DAWNBench TSV of image classification, trainer
 Only rank 0 writes; other ranks get the null logger. Tags are grouped by prefix (`loss/`, `eval/`,
 `time/`, `comm/`, `schedule/`, `memory/`), and every epoch record carries the wall-clock seconds since the
 run started, so time-to-accuracy curves can be drawn from the JSONL or read in TensorBoard (`tta/` tags
-use elapsed seconds as their step).
+use elapsed seconds as their step). Step records carry the ranks' spread of seconds per step (`StepTimeSpread`:
+`time/step_s_slowest_rank_ratio` and friends), and a rank much slower than the others is named in the log.
 """
 
 from __future__ import annotations
@@ -99,6 +100,75 @@ class MetricsLogger:
     def close(self) -> None:
         for w in self.writers:
             w.close()
+
+
+SLOW_RANK_RATIO = 1.5
+"""A rank busy this many times the median of the others' seconds per step is named as slow in the log."""
+
+
+def steps(first: int, last: int) -> str:
+    """'step 6' or 'steps 3-4 (2 steps)', for messages."""
+    return f"step {first}" if first == last else f"steps {first}-{last} ({last - first + 1} steps)"
+
+
+class StepTimeSpread:
+    """Which rank is slow, by how much and since when, from each rank's seconds per step over a log window.
+
+    A rank's own seconds per step: its wait for data, and its forward and backward pass up to the wait for the
+    gradient exchange, on the host's clock. A slower rank (a throttled or shared CPU, a process stopped for a
+    while, a slow loader) makes every other rank wait for it in the exchange, so the ranks' step times are equal
+    while their own seconds are not. Per step this costs a host clock read; the ranks' means travel in the log
+    step's own all-reduce (`share` gives this rank's part of it) and `observe` reads them.
+    """
+
+    def __init__(self, rank: int, world_size: int, threshold: float = SLOW_RANK_RATIO) -> None:
+        self.rank, self.world_size, self.threshold = rank, world_size, threshold
+        self.busy_s, self.steps = 0.0, 0
+        self.episode: tuple[int, int, int, float] | None = None
+        """The slow rank now: (rank, first step, last step of its slow windows, seconds lost to it so far)."""
+
+    def add(self, busy_s: float) -> None:
+        """One step of this rank: `busy_s` seconds of its own (not waiting for the exchange or for data)."""
+        self.busy_s, self.steps = self.busy_s + busy_s, self.steps + 1
+
+    def reset(self) -> None:
+        """Start a new window (where the loop starts its throughput window: a log step, an epoch's start)."""
+        self.busy_s, self.steps = 0.0, 0
+
+    def share(self, data_wait_s: float) -> list[float]:
+        """This rank's mean own seconds per step over the window (with `data_wait_s`, its wait for data in the
+        window) at its index, zeros elsewhere: summed over the ranks, every rank's mean. Starts a new window."""
+        mean = (self.busy_s + data_wait_s) / self.steps if self.steps else 0.0
+        self.reset()
+        return [mean if r == self.rank else 0.0 for r in range(self.world_size)]
+
+    def observe(self, seconds: list[float], first_step: int, last_step: int) -> tuple[dict[str, float], list[str]]:
+        """The window's scalars (steps `first_step`-`last_step`; `seconds`: every rank's mean, by rank) and the
+        log lines: the slow rank of a window whose slowest is `threshold` times the median of the others, with
+        how long it has been slow and the seconds the others waited for it; the end of its slowness."""
+        if len(seconds) < 2 or min(seconds) <= 0.0:
+            return {}, []
+        slowest = max(range(len(seconds)), key=seconds.__getitem__)
+        others = sorted(s for r, s in enumerate(seconds) if r != slowest)
+        median = (others[(len(others) - 1) // 2] + others[len(others) // 2]) / 2
+        ratio = seconds[slowest] / median
+        record = {"time/step_s_slowest_rank": float(slowest), "time/step_s_slowest": seconds[slowest],
+                  "time/step_s_median_others": median, "time/step_s_slowest_rank_ratio": ratio}
+        lines = []
+        slow = ratio >= self.threshold
+        if self.episode is not None and (not slow or self.episode[0] != slowest):
+            rank, first, last, lost = self.episode
+            lines.append(f"step {last_step}: rank {rank} is no longer slow (it was slow in {steps(first, last)}, "
+                         f"{lost:.1f} s of waiting for it)")
+            self.episode = None
+        if slow:
+            lost = (seconds[slowest] - median) * (last_step - first_step + 1)
+            since, lost = (self.episode[1], self.episode[3] + lost) if self.episode else (first_step, lost)
+            self.episode = (slowest, since, last_step, lost)
+            lines.append(f"step {last_step}: rank {slowest} is slow: {seconds[slowest]:.3g} s per step of its own in "
+                         f"{steps(first_step, last_step)}, {ratio:.1f}x the median of the other ranks "
+                         f"({median:.3g} s); slow since step {since}, {lost:.1f} s of waiting for it so far")
+        return record, lines
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "dawnbench.tsv", "summary.json", "config.yaml", "env.json", "tensorboard", "checkpoints")

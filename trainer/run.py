@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from data import DataConfigError, DatasetNotFoundError
+from trainer.checkpoint import CheckpointFolderError, require_writable
 from trainer.cli import parse_config
 from trainer.comm import build_communicator
 from trainer.config import ConfigError, save_config
@@ -43,22 +44,25 @@ def run(config_cls: type[C], build_data: BuildData, build_task: BuildTask, argv:
         prog: str | None = None) -> dict[str, Any]:
     """Train one run of a recipe; returns the run summary (also in log.dir/summary.json).
 
-    A user mistake (a dataset or config error) raises for a caller that passes `argv` (tests match its
-    text); from the command line (`argv` None) it ends the process with one line instead of a traceback
-    from every rank.
+    A user mistake (a dataset or config error, an unwritable checkpoint folder) raises for a caller that passes
+    `argv` (tests match its text); from the command line (`argv` None) it ends the process with one line instead
+    of a traceback from every rank.
     """
     try:
         return train(parse_config(config_cls, argv, prog), build_data, build_task)
-    except (DatasetNotFoundError, DataConfigError, ConfigError) as e:
+    except (DatasetNotFoundError, DataConfigError, ConfigError, CheckpointFolderError) as e:
         if argv is not None:
             raise
-        raise SystemExit(f"{'config' if isinstance(e, ConfigError) else 'dataset'} error: {e}") from None
+        kind = ("config" if isinstance(e, ConfigError) else "checkpoint" if isinstance(e, CheckpointFolderError)
+                else "dataset")
+        raise SystemExit(f"{kind} error: {e}") from None
 
 
 def train(cfg: Any, build_data: BuildData, build_task: BuildTask) -> dict[str, Any]:
     """`run` after parsing: `cfg` is a recipe's root config (sections model, data, optim, schedule, comm,
     dist, train, log)."""
     require_cuda_for(gpu_requests(cfg.dist.backend, cfg.train.amp))  # before any process group or data
+    require_writable(Path(cfg.log.dir) / "checkpoints")  # every rank, before anything is written to log.dir
     if cfg.dist.backend == "nccl":
         amp_candidates(cfg.train.amp, torch.device("cuda"))  # a pinned precision this GPU cannot run
     topo = setup_distributed(cfg.dist)

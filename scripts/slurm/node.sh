@@ -4,12 +4,14 @@
 # First PREPARE COMMAND (bash; NODE_RANK is this node's rank; "" for none): the node-local cache fill or copy.
 # Then torchrun TORCHRUN-ARGS with --node_rank NODE_RANK, in this script's process group. A signal to the job
 # step (`scancel --signal=TERM`, srun forwarding one, Slurm's preemption) reaches every process of the step
-# (proctrack/cgroup) or this process group (proctrack/pgid): torchrun gets its SIGTERM from Slurm itself, so
-# this script never sends it another (a second SIGTERM would cut torchrun's wait for the ranks short). torchrun
-# passes SIGTERM on to the ranks and waits for them up to --shutdown-timeout; they finish their step, write a
-# checkpoint together and exit with status 75 within train.preempt_grace_s.
+# (proctrack/cgroup, proctrack/linuxproc) or this process group (proctrack/pgid): torchrun gets its SIGTERM from
+# Slurm itself, so this script never sends it another (a second SIGTERM would cut torchrun's wait for the ranks
+# short). torchrun passes SIGTERM on to the ranks and waits for them up to --shutdown-timeout; they finish their
+# step, write a checkpoint together and exit with status 75 within train.preempt_grace_s.
 # After such a stop this script exits 0 (torchrun itself exits 1 after a signal), so srun --kill-on-bad-exit
 # does not cut short a peer that is still closing its checkpoint; otherwise it exits with torchrun's status.
+# Node 0 (the batch script's node) records a stop in the file STOP_MARK, when set: the batch script requeues the
+# job on it, whether the signal came from the time-limit notice, `scancel --signal=TERM` or preemption.
 set -uo pipefail
 export NODE_RANK=${SLURM_NODEID:-0}
 prepare=$1
@@ -22,6 +24,7 @@ pid=$!
 stopped=""
 stop() {
   stopped=$1
+  if [ -n "${STOP_MARK:-}" ] && [ "$NODE_RANK" = 0 ]; then echo "$1" > "$STOP_MARK"; fi  # the batch node
   echo "$(hostname): $1 received: the ranks checkpoint and stop (exit status 75 = restartable)" >&2
 }
 trap 'stop SIGTERM' TERM

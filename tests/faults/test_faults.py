@@ -1,9 +1,11 @@
-"""Faults, for real: a rank killed under torchrun, a torn checkpoint, a stopped rank, NaN gradients, a full disk.
+"""Faults, for real: a rank killed under torchrun, a torn checkpoint, a stopped rank, a slow rank, NaN gradients,
+a full disk on every path that writes a checkpoint.
 
-Every test trains the ResNet recipe (resnet18 on 16 px digits) on 2 gloo ranks in deterministic mode, so a
-resumed run is compared with an uninterrupted one bit for bit. The faults come from outside the recipe
-(tests/faults/inject.py). Schedule: 2 epochs x 5 steps; checkpoints after steps 3, 6, 9 (mid-epoch) and at
-the epoch ends (5, 10). A corrupted cache entry is covered in tests/test_cache.py.
+Every test trains the ResNet recipe (resnet18 on 16 px digits) on 2 gloo ranks (the slow rank: 4) in
+deterministic mode, so a resumed or disturbed run is compared with an uninterrupted one bit for bit. The
+faults come from outside the recipe (tests/faults/inject.py). Schedule: 2 epochs x 5 steps; checkpoints after
+steps 3, 6, 9 (mid-epoch) and at the epoch ends (5, 10); the full-disk tests: 1 epoch, checkpoints after steps
+2 and 4 and at its end. A corrupted cache entry is covered in tests/test_cache.py.
 
 A resumed run ends bitwise equal to the uninterrupted one: which test covers which (communicator, resume
 path). A reference run serves every test of its configuration (module fixtures); the kill and the SIGTERM
@@ -33,16 +35,18 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_ranks
-from tests.faults.inject import Fault, install
+from tests.conftest import ROOT, rejoin_group, run_ranks
+from tests.faults.inject import Fault, full_disk_in, install, stop_in_bursts
 from tests.test_trainer import TINY, phases
 from trainer.checkpoint import MODEL, CheckpointWriteError, checkpoint_dirs, latest_checkpoint, load_model_state
+from trainer.metrics import StepTimeSpread
 
 pytestmark = pytest.mark.e2e
 
@@ -190,6 +194,106 @@ def test_a_stopped_rank_is_named_in_a_timeout_error(tmp_path, digits_root):
                      r"\(dist\.timeout_s\); rank 1 stopped answering", out), out[-4000:]
 
 
+# ---------------------------------------------------------------- a slow rank
+
+
+def start_ranks(argv: list[str], world: int, logs: Path) -> list[subprocess.Popen]:
+    """`world` ranks of tests.faults.inject, each its own process (their pids are ours to signal), each
+    writing to logs/rankN.log (a file, not a pipe: nobody reads it while it runs)."""
+    port, procs = free_port(), []
+    logs.mkdir(parents=True, exist_ok=True)
+    for rank in range(world):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        with open(logs / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.faults.inject", *argv], cwd=ROOT, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def wait_for_ranks(procs: list[subprocess.Popen], logs: Path) -> None:
+    """Wait for every rank; a rank that fails or outlives LAUNCH_TIMEOUT_S fails the test with its log."""
+    try:
+        for p in procs:
+            p.wait(LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the ranks did not finish within {LAUNCH_TIMEOUT_S}s:\n{(logs / 'rank0.log').read_text()[-4000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, (logs / f"rank{rank}.log").read_text()[-4000:]
+
+
+def logged_steps(run: Path) -> list[dict]:
+    """The step records of a run's metrics.jsonl so far."""
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r for r in map(json.loads, filter(None, lines)) if r["kind"] == "step"]
+
+
+@pytest.mark.long  # two 4-rank runs on 2 cores, one of them slowed down
+def test_a_slow_rank_is_named_and_the_run_ends_bitwise_equal(tmp_path, digits_root):
+    """Rank 2 of 4 is stopped in bursts from outside (1.5 s stopped, 0.5 s running, SIGSTOP/SIGCONT) from the
+    first log step to step 7: the run goes on (the bursts are well below dist.timeout_s, 10 s), ends with the
+    undisturbed run's weights bit for bit, and its log names rank 2 as slow, how much slower and since when.
+    Would catch: each rank's wall-clock step time as its speed (the exchange makes them all equal: no rank
+    would stand out), a timeout or liveness check that takes a paused rank for a dead one, and a rank's
+    stop that changes what it computes."""
+    runs = {name: tmp_path / name for name in ("undisturbed", "slow")}
+    bursts = 0
+    for name, run in runs.items():
+        argv = recipe_args(digits_root, run, "dense", "dist.timeout_s=10", "log.every_steps=2")
+        procs = start_ranks(argv, 4, tmp_path / f"{name}-logs")
+        if name == "slow":
+            def running() -> bool:
+                return all(p.poll() is None for p in procs)
+            while running() and not logged_steps(run):
+                time.sleep(0.05)
+            bursts = stop_in_bursts(procs[2].pid, 1.5, 0.5,
+                                    until=lambda: not running() or any(r["step"] >= 7 for r in logged_steps(run)))
+        wait_for_ranks(procs, tmp_path / f"{name}-logs")
+    assert bursts >= 2
+    out = "".join((tmp_path / "slow-logs" / f"rank{r}.log").read_text() for r in range(4))
+    assert "CommTimeoutError" not in out
+    assert_same_weights(final_state(runs["undisturbed"]), final_state(runs["slow"]))
+    steps = logged_steps(runs["slow"])
+    assert all("time/step_s_slowest_rank_ratio" in r for r in steps)
+    assert any(r["time/step_s_slowest_rank"] == 2 and r["time/step_s_slowest_rank_ratio"] >= 1.5 for r in steps), \
+        [(r["step"], r["time/step_s_slowest_rank"], r["time/step_s_slowest_rank_ratio"]) for r in steps]
+    rank0 = (tmp_path / "slow-logs" / "rank0.log").read_text()
+    assert re.search(r"step \d+: rank 2 is slow: [\d.e-]+ s per step of its own in steps? [-\d]+( \(\d+ steps\))?, "
+                     r"[\d.]+x the median of the other ranks \([\d.e-]+ s\); slow since step \d+, [\d.]+ s of "
+                     r"waiting for it so far", rank0), rank0[-4000:]
+
+
+@pytest.mark.unit
+def test_the_step_time_spread_names_the_slow_rank_and_how_long_it_was_slow():
+    """Would catch: the slowest compared with the mean of all ranks (itself included: a 2-rank run could never
+    reach 1.5x), an episode that restarts at every window (no "since"), or a recovery that is never said."""
+    spread = StepTimeSpread(rank=1, world_size=2)
+    spread.add(0.2)
+    spread.add(0.4)
+    assert spread.share(data_wait_s=0.2) == [0.0, 0.4]  # (0.2 + 0.4 + 0.2) / 2 steps, at this rank's index
+    assert spread.steps == 0  # a new window
+    record, lines = spread.observe([0.1, 0.3], 1, 2)
+    assert record == {"time/step_s_slowest_rank": 1.0, "time/step_s_slowest": 0.3,
+                      "time/step_s_median_others": 0.1, "time/step_s_slowest_rank_ratio": pytest.approx(3.0)}
+    assert lines == ["step 2: rank 1 is slow: 0.3 s per step of its own in steps 1-2 (2 steps), 3.0x the median of "
+                     "the other ranks (0.1 s); slow since step 1, 0.4 s of waiting for it so far"]
+    _, lines = spread.observe([0.1, 0.2], 3, 4)
+    assert lines[0].endswith("slow since step 1, 0.6 s of waiting for it so far")
+    _, lines = spread.observe([0.1, 0.11], 5, 6)
+    assert lines == ["step 6: rank 1 is no longer slow (it was slow in steps 1-4 (4 steps), 0.6 s of waiting for it)"]
+    four = StepTimeSpread(rank=0, world_size=4)
+    record, lines = four.observe([0.1, 0.1, 0.5, 0.3], 1, 1)
+    assert record["time/step_s_median_others"] == pytest.approx(0.1) and "rank 2 is slow" in lines[0]
+    assert StepTimeSpread(rank=0, world_size=1).observe([0.1], 1, 1) == ({}, [])
+
+
 # ---------------------------------------------------------------- non-finite gradients
 
 
@@ -242,34 +346,79 @@ def test_a_loss_scaler_that_skips_every_step_stops_the_run(tmp_path, digits_root
 # ---------------------------------------------------------------- a full disk
 
 
-def _fill_the_disk(rank: int, world: int, argv: list[str]) -> None:
+FULL_DISK = {
+    # case: (train.checkpoint_in_background, the disk's room, {rank: (trainer.checkpoint function, after_rank)},
+    #        the failing rank, the file it names)
+    "rank files": (False, "one checkpoint", {}, 0, MODEL),
+    "manifest": (False, "ample", {0: ("write_manifest", None)}, 0, "manifest.json"),
+    "background, rank 0's files": (True, "one checkpoint", {}, 0, MODEL),
+    "background, another rank's files": (True, "ample", {1: ("write_rank_files", 0)}, 1, "rank-00001.pt"),
+    "background, manifest": (True, "ample", {0: ("write_manifest", None)}, 0, "manifest.json"),
+}
+"""How each write path of a checkpoint meets a full disk in the checkpoint of step 4. With room for one
+checkpoint, the disk fills up with the step-4 checkpoint's first big file, rank 0's model.pt. With ample room,
+tests/faults/inject.py fills it just before one rank's call and frees it after, so that the logs go on: rank 0's
+manifest, or rank 1's own files once rank 0's part is on disk (rank 1 can then record its failure nowhere)."""
+
+
+def _fill_the_disk_then_resume(rank: int, world: int, case: str, argv: list[str], disk: str, room: int,
+                               workdir: str) -> tuple[str, list[str]]:
     from recipes.resnet50 import main
-    expected = r"No space left on device.*previous checkpoints .* are intact" if rank == 0 else \
-        r"1 rank\(s\) could not write their part of the checkpoint"
-    with pytest.raises(CheckpointWriteError, match=expected):
-        main(argv)
+    _, _, hooks, _, _ = FULL_DISK[case]
+    restore = full_disk_in(hooks[rank][0], 4, hooks[rank][1]) if rank in hooks else (lambda: None)
+    try:
+        with pytest.raises(CheckpointWriteError) as failed:
+            main(argv)
+    finally:
+        restore()
+    if rank == 0:  # the space is freed (made larger), as an operator would, before the restart
+        subprocess.run(["mount", "-o", f"remount,size={room}", disk], check=True)
+    rejoin_group(rank, world, Path(workdir) / "store-resume")
+    left = sorted(p.name for p in (Path(disk) / "checkpoints").iterdir())  # the failed run's, before the restart
+    main([*argv, "train.resume=true"])
+    return str(failed.value), left
 
 
 @pytest.mark.cluster  # mounts a tmpfs: root
-def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, digits_root):
+@pytest.mark.parametrize("case", FULL_DISK)
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, digits_root, case):
+    """Every write path of a checkpoint meets a full disk (ENOSPC from a real, small tmpfs): the failing rank's
+    error names the file and ENOSPC, every rank stops (no rank waits for a record that never comes: a rank 0
+    whose background writer waited out its timeout would fail this by the launcher's timeout), the unfinished
+    folder is gone and the previous checkpoint loads; once there is room, the restart resumes from it and
+    finishes. Would catch: a background write whose failure is never raised (the run would end without error),
+    a manifest written while a rank's part is missing, the failed folder left behind (it would hold the space),
+    or a message without the path or the reason."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
+    background, room, _, failing, name = FULL_DISK[case]
     import torchvision
     params = sum(p.numel() for p in torchvision.models.resnet18(num_classes=10).parameters())
+    checkpoint = 8 * params  # weights + momentum, 4 bytes each
     disk = tmp_path / "disk"
     disk.mkdir()
-    # Room for one checkpoint (weights + momentum, 4 bytes each) and the logs, not for a second one.
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(1.5 * 8 * params)}", "tmpfs", str(disk)],
+    # "one checkpoint": room for one and the logs, not for a second one; "ample": three, and the ballast's share
+    size = int(1.5 * checkpoint) if room == "one checkpoint" else 4 * checkpoint
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
                              capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    if mounted.returncode != 0:  # as root, the cluster tier runs this: a mount that fails is the test's failure
+        pytest.fail(f"cannot mount a tmpfs as root here: {mounted.stderr.strip()}")
     try:
         argv = recipe_args(digits_root, disk, "dense", "train.checkpoint_every_steps=2", "train.epochs=1",
-                           phases(1))
-        run_ranks(_fill_the_disk, 2, tmp_path, argv, timeout=LAUNCH_TIMEOUT_S)
-        left = sorted(p.name for p in (disk / "checkpoints").iterdir())
+                           phases(1), f"train.checkpoint_in_background={str(background).lower()}",
+                           "dist.timeout_s=60")
+        results = run_ranks(_fill_the_disk_then_resume, 2, tmp_path, case, argv, str(disk), 4 * checkpoint,
+                            str(tmp_path), timeout=LAUNCH_TIMEOUT_S)
+        (message, left), (other, _) = results[failing], results[1 - failing]
+        path = re.escape(str(disk / "checkpoints" / "step-00000004" / name))
+        assert re.search(rf"^step 4: could not write checkpoint file {path} \(.* MB\): No space left on device "
+                         rf"\(ENOSPC\); the previous checkpoints in .* are intact; stopping", message), message
+        assert re.search(r"^step 4: 1 rank\(s\) could not write their part of the checkpoint", other), other
         assert left == ["step-00000002"]  # the failed checkpoint's folder and temporary files are gone
-        assert [d.name for d in checkpoint_dirs(disk)] == ["step-00000002"]
-        assert load_model_state(disk / "checkpoints" / "step-00000002")
+        steps = [r["step"] for r in map(json.loads, (disk / "metrics.jsonl").read_text().splitlines())
+                 if r["kind"] == "step"]
+        assert steps == [1, 2, 3, 4, 5][:5 if background else 4] + [3, 4, 5], steps  # resumed after step 2
+        assert [d.name for d in checkpoint_dirs(disk)][0] == "step-00000005"
+        assert load_model_state(disk / "checkpoints" / "step-00000005")
     finally:
         subprocess.run(["umount", str(disk)], check=False)
