@@ -20,7 +20,7 @@ ARGS ?=
 # newest checkpoint by themselves (train.resume: auto).
 MAX_RESTARTS ?= 3
 
-.PHONY: help setup test test-fast test-long test-cluster horovod quickstart quickstart-2x2 digits resnet50-dawnbench resnet50-1node tensorboard bench \
+.PHONY: help setup test test-fast test-long test-cluster horovod quickstart quickstart-2x2 digits resnet50-dawnbench resnet50-1node tensorboard bench bench-cluster-tta \
 	transformer-quickstart transformer-wmt prepare-imagenet prepare-wmt
 
 ## list the targets with what each does
@@ -182,6 +182,10 @@ bench-quickstart:
 bench-tta:
 ## step time of every exchange on an emulated cluster (root: network namespaces; ARGS=--quick)
 bench-scaling:
+## time to accuracy of every exchange on the emulated cluster (root; many hours; ARGS=--quick, ARGS="--resume OUT")
+bench-cluster-tta: setup
+	$(PY) -m scripts.bench.cluster_tta $(ARGS)
+	$(PY) -m scripts.results_tables
 
 # Emulated cluster on one machine (root; scripts/netem/): NODES network namespaces joined by RATE-shaped links,
 # one torchrun per node (make netem-up NODES=2 RATE=1gbit; make netem-run NPROC=2 CONFIG=... ARGS=...; make netem-down).

@@ -403,6 +403,54 @@ def tta_ablation(runs: list[dict[str, Any]]) -> list[str]:
                   "best top-1, mean (range)"], rows)
 
 
+def cluster_tta(r: dict[str, Any]) -> list[str]:
+    """Per link rate and kind: median seconds from the launch to each target (range over the seeds that reached it;
+    misses named), epochs, final and best top-1, bytes per node, auto's seconds; then the "which kind when" table."""
+    def time_cell(e: dict[str, Any]) -> str:
+        text = "missed" if e["median_s"] is None else num(e["median_s"])
+        if e["range_s"] is not None and e["median_s"] is not None:
+            text += f" ({num(e['range_s'][0])}-{num(e['range_s'][1])})"
+        return text + (f", missed {len(e['missed'])}" if e["missed"] and e["median_s"] is not None else "")
+
+    def pct(a: dict[str, Any]) -> str:
+        return f"{100 * a['median']:.1f}% ({100 * a['range'][0]:.1f}-{100 * a['range'][1]:.1f})"
+    rows = []
+    for rate, kinds in r["cells"].items():
+        for kind, c in kinds.items():
+            at = c["targets"].get(f"{cluster_which_target(r)}")
+            rows.append([rate, kind, *[time_cell(e) for e in c["targets"].values()],
+                         "-" if at is None or at["vs_dense"] is None else f"{at['vs_dense']:.2f}",
+                         "-" if at is None or at["median_epochs"] is None else num(at["median_epochs"]),
+                         pct(c["final_top1"]), pct(c["best_top1"]), num(c["comm_mb_per_node"]["bytes_sent"]),
+                         num(c["comm_mb_per_node"]["bytes_inter_node"]),
+                         "-" if c["interface_mb_sent_per_node"] is None else num(c["interface_mb_sent_per_node"]),
+                         ", ".join(f"{k} {num(v)}" for k, v in c["auto_s"].items()) or "-"])
+    which = cluster_which_target(r)
+    return [f"{r['model']} on the TTA photos, {r['layout']} ranks (nodes x ranks) of the emulated cluster, every run "
+            f"to the end of its schedule; seconds from the launch (start-up included) to each target at "
+            f"{r['target_consecutive']} evaluations in a row, median over seeds {', '.join(map(str, r['seeds']))} "
+            f"({r['runs_done']} of {r['runs_planned']} runs) with the range of the seeds that reached it; a miss "
+            "counts as infinitely slow, so a median is a miss when half the seeds or more missed.", "",
+            *table(["links", "kind", *[f"s to {100 * float(t):g}%" for t in r["targets"]],
+                    f"/ dense at {100 * float(which):g}%", f"epochs to {100 * float(which):g}%", "final top-1",
+                    "best top-1", "comm MB/node", "comm inter-node MB/node", "interface MB sent/node",
+                    "auto's seconds"], rows), "",
+            *cluster_which_kind(r)]
+
+
+def cluster_which_target(r: dict[str, Any]) -> str:
+    return next(iter(r["which_kind"].values()))["target"] if r["which_kind"] else "0.7"
+
+
+def cluster_which_kind(r: dict[str, Any]) -> list[str]:
+    """Which kind when: per link rate (and the one model), the kind with the least median time to the target."""
+    rows = [[rate, r["model"], "none reached it" if w["kind"] is None else f"**{w['kind']}**",
+             "-" if w["median_s"] is None else num(w["median_s"])] for rate, w in r["which_kind"].items()]
+    return [f"Which kind when: the least median seconds to {100 * float(cluster_which_target(r)):g}% top-1, start-up "
+            "included (a kind's misses count against it, never for another kind):", "",
+            *table(["links", "model", "kind", "median s"], rows)]
+
+
 SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "tta": ("time to accuracy, recipe / torchvision-reference baseline (each tuned on tuning seeds), fresh seeds, "
             "median paired ratio",
@@ -448,6 +496,11 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
                              f"{r['runs']['resnet, measuring'].get('final_top1', float('nan')):.4f}"
                              + (f", BLEU {r['runs']['transformer, measuring']['test_bleu']:.1f}"
                                 if "transformer, measuring" in r["runs"] else "")),
+    "cluster_tta": ("emulated cluster, time to 70% top-1 from the launch: the best per-step kind's median / dense's, "
+                    "slowest link run",
+                    lambda r: ("-" if r["ratio"] is None else f"{r['ratio']:.3f}") + "; which kind: "
+                              + ", ".join(f"{rate} {w['kind'] or 'none'}" for rate, w in r["which_kind"].items())
+                              + ("" if r["complete"] else f" ({r['runs_done']} of {r['runs_planned']} runs)")),
     "scaling": ("emulated cluster (network namespaces, shaped links): comm.kind auto's step / the best fixed "
                 "exchange's, worst cell",
                 lambda r: f"{max(c['auto_vs_best'] for c in r['cells']):.3f} over {len(r['cells'])} cells; / dense, "
@@ -456,7 +509,12 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
 TABLES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "topk": topk, "input_pipeline": input_pipeline, "data_wait": data_wait, "comm": comm, "optim": optim,
     "small_conv": small_conv, "replica_guard": replica_guard, "transformer": transformer, "tta": tta,
-    "scaling": scaling, "choices": choices, "choices_screen": choices_screen, "quickstart": quickstart}
+    "scaling": scaling, "choices": choices, "choices_screen": choices_screen, "quickstart": quickstart,
+    "cluster_tta": cluster_tta}
+NOT_YET = {"cluster_tta": "_No result file yet, so no table: `sudo .venv/bin/python -m scripts.bench.cluster_tta` "
+                          "(root; many hours, resumable with `--resume OUT`) writes `docs/results/cluster_tta.json` "
+                          "once every planned run has finished._\n"}
+"""What a block says before its bench's first result file exists, where the generic line would not do."""
 
 
 PER_MACHINE = ("tta",)
@@ -502,6 +560,8 @@ def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
                            f"{', '.join(TABLES)})")
     paths = result_files(results_dir, name)
     if not paths:
+        if name in NOT_YET:
+            return NOT_YET[name]
         return f"_No result file yet: `python -m scripts.bench.{name}` writes `docs/results/{name}.json`._\n"
     blocks = []
     for path in paths:

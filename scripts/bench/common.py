@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -80,10 +81,10 @@ def start_commit() -> str:
     return _run.get("commit") or commit()
 
 
-def write_result(result: Mapping[str, Any]) -> Path | None:
-    """Write `result` with its provenance (date, machine, the commit the run started at, command, load) to the
-    results folder."""
-    folder = _run.get("results_dir", str(RESULTS_DIR))
+def write_result(result: Mapping[str, Any], folder: str | None = None) -> Path | None:
+    """Write `result` with its provenance (date, machine, the commit the run started at, command, load) to
+    `folder` (default: the results folder of the run's --results-dir)."""
+    folder = _run.get("results_dir", str(RESULTS_DIR)) if folder is None else folder
     if not folder:
         return None
     name = f"{result['bench']}{'.quick' if _run.get('quick') else ''}.json"
@@ -211,15 +212,18 @@ def end_tree(pid: int) -> None:
             pass
 
 
-def run_logged(cmd: Sequence[str], out: Path, timeout_s: float | None = None) -> float:
+def run_logged(cmd: Sequence[str], out: Path, timeout_s: float | None = None,
+               env: Mapping[str, str] | None = None) -> float:
     """Run `cmd` from the repository root to its end, its output in out/train.log (`out` is created, and must not
-    exist); its wall seconds. A non-zero exit raises, with the command, its status and the log's last lines. A run
-    that outlives `timeout_s`, or a bench interrupted meanwhile, ends the run's whole process tree (torchrun's
-    workers included) before raising: nothing is left running to load the next measurement."""
+    exist); its wall seconds. `env`: variables set on top of this process's environment. A non-zero exit raises,
+    with the command, its status and the log's last lines. A run that outlives `timeout_s`, or a bench
+    interrupted meanwhile, ends the run's whole process tree (torchrun's workers included) before raising:
+    nothing is left running to load the next measurement."""
     out.mkdir(parents=True, exist_ok=False)
     start = time.perf_counter()
     with open(out / "train.log", "w") as log:
-        proc = subprocess.Popen(list(cmd), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(list(cmd), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **env} if env else None)
         try:
             proc.wait(timeout=timeout_s)
         except BaseException:  # the timeout, Ctrl-C
@@ -232,6 +236,35 @@ def run_logged(cmd: Sequence[str], out: Path, timeout_s: float | None = None) ->
         raise RuntimeError(f"{' '.join(cmd)}\nexited with status {proc.returncode}; last lines of "
                            f"{out / 'train.log'}:\n{tail}")
     return seconds
+
+
+def netem_skip_reason() -> str | None:
+    """Why this machine cannot run the emulated cluster of scripts/netem (None when it can)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "needs root (network namespaces and tc shaping); run it with sudo"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "needs ip and tc (apt-get install iproute2)"
+    return None
+
+
+def netem(script: str, *args: str, env: Mapping[str, str], bench: str, quiet: bool = False) -> None:
+    """Run scripts/netem/SCRIPT with the cluster variables `env` (NETEM_PREFIX, NETEM_SUBNET: each bench's own
+    cluster, so tearing it down touches no other); show its last lines and exit naming `bench` if it fails.
+
+    quiet: print nothing on success (cluster.sh's status table); otherwise only the worker's progress
+    lines (indented), as they come - torchrun's own warnings and c10d's exit-barrier noise stay out."""
+    import collections
+
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    with subprocess.Popen([str(REPO / "scripts" / "netem" / script), *args], env={**os.environ, **env}, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        for line in proc.stdout:
+            tail.append(line.rstrip("\n"))
+            if not quiet and line.startswith("  "):
+                print(line, end="", flush=True)
+    if proc.returncode:
+        print("\n".join(tail), file=sys.stderr)
+        raise SystemExit(f"bench {bench}: scripts/netem/{script} {' '.join(args)} failed with status {proc.returncode}")
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

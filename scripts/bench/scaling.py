@@ -38,10 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -398,32 +395,12 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def _netem(script: str, *args: str, quiet: bool = False) -> None:
-    """Run scripts/netem/SCRIPT with our cluster's prefix; show its last lines if it fails.
-
-    quiet: print nothing on success (cluster.sh's status table); otherwise only the worker's progress
-    lines (indented), as they come - torchrun's own warnings and c10d's exit-barrier noise stay out."""
-    import collections
-
-    env = {**os.environ, **NETEM_ENV}
-    tail: collections.deque[str] = collections.deque(maxlen=60)
-    with subprocess.Popen([str(ROOT / "scripts" / "netem" / script), *args], env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
-        for line in proc.stdout:
-            tail.append(line.rstrip("\n"))
-            if not quiet and line.startswith("  "):
-                print(line, end="", flush=True)
-    if proc.returncode:
-        print("\n".join(tail), file=sys.stderr)
-        raise SystemExit(f"bench scaling: scripts/netem/{script} {' '.join(args)} failed with status {proc.returncode}")
+    """Run scripts/netem/SCRIPT with our cluster's prefix (`common.netem`)."""
+    common.netem(script, *args, env=NETEM_ENV, bench="scaling", quiet=quiet)
 
 
-def skip_reason() -> str | None:
-    """Why this machine cannot run the emulation (None when it can)."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "needs root (network namespaces and tc shaping); run it with sudo"
-    if not shutil.which("ip") or not shutil.which("tc"):
-        return "needs ip and tc (apt-get install iproute2)"
-    return None
+skip_reason = common.netem_skip_reason
+"""Why this machine cannot run the emulation (None when it can)."""
 
 
 def measure_all(args: argparse.Namespace, models: list[str], steps: int) -> list[dict[str, Any]]:

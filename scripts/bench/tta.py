@@ -133,9 +133,16 @@ def baseline_cmd(config: str, run_dir: Path, seed: int, overrides: Sequence[str]
 
 def recipe_cmd(config: str, run_dir: Path, disk: Path, ram: Path, seed: int, overrides: Sequence[str] = ()
                ) -> list[str]:
-    """The recipe on fresh, empty cache folders (L1/L3 on disk, the L2 file in RAM): filling them is timed. The
-    trainer's own stop at its target is off: every run goes to the end."""
-    return [*torchrun(2), "-m", "recipes.resnet50", "--config", config, f"log.dir={run_dir}",
+    """The recipe on 2 local ranks (`recipe_args`)."""
+    return [*torchrun(2), *recipe_args(config, run_dir, disk, ram, seed, overrides)]
+
+
+def recipe_args(config: str, run_dir: Path, disk: Path, ram: Path, seed: int, overrides: Sequence[str] = ()
+                ) -> list[str]:
+    """The recipe's module and arguments, for any launcher: on fresh, empty cache folders (L1/L3 on disk, the L2
+    file in RAM), so filling them is timed; the trainer's own stop at its target off, so every run goes to the
+    end."""
+    return ["-m", "recipes.resnet50", "--config", config, f"log.dir={run_dir}",
             f"data.cache.dir={disk}", f"data.cache.ram_dir={ram}", f"train.seed={seed}",
             "train.stop_at_target=false", "log.progress=false", *overrides]
 

@@ -1,0 +1,183 @@
+"""The emulated-cluster time-to-accuracy bench's pure parts: times from a run's metrics records, medians with misses,
+--resume, the estimate, the tables. No processes, no namespaces."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from scripts import results_tables
+from scripts.bench import cluster_tta, common
+from trainer.tta_stats import read_run
+
+pytestmark = pytest.mark.unit
+
+LAUNCH = 1000.0
+
+
+def write_metrics(run_dir: Path, top1: list[float], wall: list[float], elapsed: list[float],
+                  extra: list[dict] = ()) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [*extra, *({"kind": "epoch", "step": 10 * (i + 1), "epoch": i, "eval/top1": a, "time/wall_clock": w,
+                        "time/elapsed_s": e} for i, (a, w, e) in enumerate(zip(top1, wall, elapsed)))]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_times_to_targets_count_from_the_launch_with_two_in_a_row(tmp_path):
+    """Catches reading the trainer's clock (time/elapsed_s, which starts after rendezvous and imports) instead of the
+    launch, and taking the first lucky evaluation instead of the second in a row."""
+    top1 = [0.55, 0.62, 0.58, 0.66, 0.71, 0.74, 0.76]
+    wall = [LAUNCH + 60 + 10 * i for i in range(7)]  # 60 s of start-up before the first epoch ends
+    write_metrics(tmp_path, top1, wall, [10.0 * i for i in range(7)])
+    run = read_run("recipe", 100, tmp_path, 200.0, 0.0, 0.0, "c.yaml")
+    record = cluster_tta.make_record(run, LAUNCH, "1gbit", "dense", [], cluster_tta.metrics_records(tmp_path), {},
+                                     [0.6, 0.7, 0.75, 0.8], 2)
+    assert record["time_to_s"] == {"0.6": 100.0, "0.7": 110.0, "0.75": None, "0.8": None}
+    assert record["epochs_to"] == {"0.6": 5, "0.7": 6, "0.75": None, "0.8": None}
+    assert record["final_top1"] == 0.76 and record["best_top1"] == 0.76
+
+
+def test_comm_bytes_stand_for_the_steps_since_the_last_logged_one():
+    """Catches summing only the logged steps (20x too few bytes) or forgetting the node's second rank."""
+    records = [{"kind": "step", "step": 20, "comm/bytes_sent": 10.0, "comm/bytes_inter_node": 4.0},
+               {"kind": "step", "step": 40, "comm/bytes_sent": 1.0, "comm/bytes_inter_node": 0.5},
+               {"kind": "epoch", "step": 50, "eval/top1": 0.5}]
+    out = cluster_tta.comm_bytes(records, ranks_per_node=2)
+    assert out["bytes_sent"] == 2 * (10.0 * 20 + 1.0 * 30) and out["bytes_inter_node"] == 2 * (4.0 * 20 + 0.5 * 30)
+    assert out["steps"] == 50 and out["logged_steps"] == 2
+
+
+def test_auto_seconds_read_what_its_metrics_log():
+    """Catches taking the calibration time from the trainer's clock instead of the launch, or missing logged keys."""
+    records = [{"kind": "step", "step": 1, "time/wall_clock": LAUNCH + 30, "comm/calibrated": 0.0},
+               {"kind": "comm", "step": 7, "time/wall_clock": LAUNCH + 45.5, "comm/calib/dense_span_s": 0.3},
+               {"kind": "step", "step": 20, "time/wall_clock": LAUNCH + 80, "comm/auto/trials_s": 12.0}]
+    assert cluster_tta.auto_seconds(records, LAUNCH) == {"auto/trials_s": 12.0, "calibrated_after_s": 45.5}
+
+
+def test_interface_counters_are_the_host_ends_and_their_difference(tmp_path):
+    """Catches reading the node's sent bytes from the host end's tx (what the node received)."""
+    for i, (rx, tx) in enumerate([(500, 70), (300, 90)]):
+        stats = tmp_path / f"pfx-h{i}" / "statistics"
+        stats.mkdir(parents=True)
+        (stats / "rx_bytes").write_text(f"{rx}\n")
+        (stats / "tx_bytes").write_text(f"{tx}\n")
+    now = cluster_tta.interface_bytes("pfx", 2, tmp_path)
+    assert now == {"node0": {"sent": 500, "received": 70}, "node1": {"sent": 300, "received": 90}}
+    before = {"node0": {"sent": 100, "received": 10}, "node1": {"sent": 100, "received": 10}}
+    assert cluster_tta.counter_delta(before, now) == {"node0": {"sent": 400, "received": 60},
+                                                       "node1": {"sent": 200, "received": 80}}
+
+
+def record(rate: str, kind: str, seed: int, t70: float | None, final: float = 0.8, process_s: float = 500.0) -> dict:
+    return {"rate": rate, "kind": kind, "seed": seed, "time_to_s": {"0.7": t70},
+            "epochs_to": {"0.7": None if t70 is None else 5}, "final_top1": final, "best_top1": final + 0.01,
+            "process_s": process_s, "comm_bytes_per_node": {"bytes_sent": 2e6, "bytes_inter_node": 1e6},
+            "interface_bytes": {"node0": {"sent": 1_000_000, "received": 0}, "node1": {"sent": 3_000_000, "received": 0}},
+            "auto": {"calibrated_after_s": 40.0} if kind == "auto" else {}, "load_before": 1.0, "load_after": 2.0}
+
+
+def test_a_kind_that_misses_is_a_miss_never_the_winner():
+    """Catches the median over the reached seeds only: topk's one fast seed (300 s) would beat dense's 500 s although
+    topk missed 70% on two of three seeds."""
+    runs = [record("200mbit", "dense", s, t) for s, t in ((100, 500.0), (101, 520.0), (102, 480.0))]
+    runs += [record("200mbit", "topk", 100, 300.0), record("200mbit", "topk", 101, None),
+             record("200mbit", "topk", 102, None)]
+    cells = cluster_tta.summarize(runs, [0.7])
+    topk, dense = cells["200mbit"]["topk"]["targets"]["0.7"], cells["200mbit"]["dense"]["targets"]["0.7"]
+    assert topk["median_s"] is None and topk["missed"] == [101, 102] and topk["range_s"] == [300.0, 300.0]
+    assert dense["median_s"] == 500.0 and dense["range_s"] == [480.0, 520.0] and dense["vs_dense"] == 1.0
+    assert cluster_tta.which_kind(cells)["200mbit"] == {"target": "0.7", "kind": "dense", "median_s": 500.0}
+    # one miss in three: the median is the slower of the two reached times, not the mean of the reached ones
+    runs[4] = record("200mbit", "topk", 101, 400.0)
+    cells = cluster_tta.summarize(runs, [0.7])
+    assert cells["200mbit"]["topk"]["targets"]["0.7"]["median_s"] == 400.0
+    assert cells["200mbit"]["topk"]["targets"]["0.7"]["vs_dense"] == 0.8
+    assert cluster_tta.which_kind(cells)["200mbit"]["kind"] == "topk"
+    assert cluster_tta.headline_ratio(cells, ["200mbit"]) == 0.8
+
+
+def test_per_cell_accuracy_bytes_and_autos_seconds_are_medians():
+    """Catches mixing rates in one cell or summing the nodes' interface bytes instead of averaging per node."""
+    runs = [record("1gbit", "auto", 100, 200.0, 0.70), record("1gbit", "auto", 101, 210.0, 0.74),
+            record("1gbit", "auto", 102, 220.0, 0.72), record("200mbit", "auto", 100, 900.0, 0.1)]
+    cell = cluster_tta.summarize(runs, [0.7])["1gbit"]["auto"]
+    assert cell["final_top1"] == {"median": 0.72, "range": [0.70, 0.74]}
+    assert cell["interface_mb_sent_per_node"] == 2.0 and cell["comm_mb_per_node"]["bytes_inter_node"] == 1.0
+    assert cell["auto_s"] == {"calibrated_after_s": 40.0} and cell["targets"]["0.7"]["vs_dense"] is None
+
+
+def test_kinds_interleave_within_a_seed_and_rotate():
+    """Catches running one kind's seeds back to back (load drift would fall on one kind) or a fixed order."""
+    plan = cluster_tta.plan_runs([100, 101], ["1gbit", "200mbit"], ["a", "b", "c"])
+    assert [k for s, r, k in plan[:3]] == ["a", "b", "c"] and [k for s, r, k in plan[3:6]] == ["b", "c", "a"]
+    assert [(s, r) for s, r, _ in plan[:6]] == [(100, "1gbit")] * 3 + [(100, "200mbit")] * 3
+    assert len(set(plan)) == 12 and plan[6][0] == 101
+    assert "local" not in cluster_tta.kinds_for(False) and list(cluster_tta.kinds_for(True)) == list(
+        cluster_tta.QUICK_KINDS)
+    assert cluster_tta.kinds_for(False)["dense16"] == ["comm.kind=dense", "comm.compression=fp16"]
+
+
+def test_resume_reuses_finished_records_and_refuses_other_settings(tmp_path):
+    """Catches rerunning finished runs on --resume, or reusing a run read with another target rule."""
+    settings = {"config": "c.yaml", "target_consecutive": 2, "nodes": 2, "ranks_per_node": 2}
+    (tmp_path / "records").mkdir()
+    done = {**record("1gbit", "dense", 100, 300.0), **settings}
+    (tmp_path / "records" / "1gbit_dense_seed100.json").write_text(json.dumps(done))
+    (tmp_path / "1gbit_topk_seed100").mkdir()  # started, never finished: no record
+    records = cluster_tta.load_records(tmp_path, settings)
+    plan = cluster_tta.plan_runs([100], ["1gbit"], ["dense", "topk"])
+    assert [p for p in plan if p not in records] == [(100, "1gbit", "topk")]
+    with pytest.raises(ValueError, match="target_consecutive: 2, now 3"):
+        cluster_tta.load_records(tmp_path, {**settings, "target_consecutive": 3})
+
+
+def test_the_estimate_uses_finished_runs_of_the_cell_then_the_rate_then_the_prior():
+    """Catches an estimate that ignores finished runs (hours off at 200 Mbit/s) or borrows another rate's runs."""
+    finished = [record("1gbit", "dense", 100, 1.0, process_s=s) for s in (700.0, 900.0, 800.0)]
+    finished.append(record("1gbit", "topk", 100, 1.0, process_s=300.0))
+    pending = [(101, "1gbit", "dense"), (101, "1gbit", "hitopk"), (101, "200mbit", "dense")]
+    assert cluster_tta.estimate_s(pending, finished, {"1gbit": 1.0, "200mbit": 2000.0}) == 800.0 + 750.0 + 2000.0
+    assert cluster_tta.estimate_s([], finished) == 0.0
+
+
+def test_without_root_it_stops_with_one_line(monkeypatch, tmp_path):
+    """Catches starting cluster.sh (or training) on a machine that cannot make namespaces."""
+    monkeypatch.setattr(common, "record_run", lambda args: None)
+    monkeypatch.setattr(common, "netem_skip_reason", lambda: "needs root (network namespaces and tc shaping)")
+    monkeypatch.setattr(cluster_tta, "run_all", lambda *a: pytest.fail("ran without root"))
+    with pytest.raises(SystemExit, match="^bench cluster_tta: needs root"):
+        cluster_tta.main(["--quick", "--out", str(tmp_path / "out")])
+
+
+def result() -> dict:
+    runs = [record("200mbit", "dense", s, t) for s, t in ((100, 500.0), (101, 520.0))]
+    runs += [record("200mbit", "topk", 100, 300.0), record("200mbit", "topk", 101, None)]
+    runs += [record("1gbit", k, 100, t) for k, t in (("dense", 200.0), ("auto", 180.0))]
+    cells = cluster_tta.summarize(runs, [0.7])
+    return {"model": "resnet18", "layout": "2x2", "seeds": [100, 101], "runs_done": 6, "runs_planned": 8,
+            "complete": False, "target_consecutive": 2, "targets": ["0.7"], "cells": cells,
+            "which_kind": cluster_tta.which_kind(cells), "ratio": cluster_tta.headline_ratio(cells, ["200mbit"])}
+
+
+def test_the_tables_show_misses_and_the_kind_per_rate():
+    """Catches a table that prints a missed median as a time, or a "which kind" row won by a kind that missed."""
+    text = "\n".join(results_tables.cluster_tta(result()))
+    assert "| 200mbit | topk | missed |" in text and "| 200mbit | dense | 510 (500-520) |" in text
+    assert "| 200mbit | resnet18 | **dense** | 510 |" in text and "| 1gbit | resnet18 | **auto** | 180 |" in text
+    assert "calibrated_after_s 40" in text and "6 of 8 runs" in text
+    what, figure = results_tables.SUMMARY["cluster_tta"]
+    assert figure(result()) == "1.000; which kind: 200mbit dense, 1gbit auto (6 of 8 runs)"
+
+
+def test_no_results_file_renders_a_note_and_a_file_renders_the_table(tmp_path):
+    """Catches --check failing (or a table appearing) before any run exists, and a file that does not render."""
+    assert "No result file yet, so no table" in results_tables.render("cluster_tta", tmp_path)
+    record_ = {"date": "2026-12-04T03:00:00+00:00", "machine": {"cpu": "CPU A", "cores": 2, "cpu_flags": []},
+               "commit": "0123456789abcdef", "command": "python -m scripts.bench.cluster_tta",
+               "load_avg_1min": {"start": 0.1, "end": 0.2}, "result": {**result(), "runs": []}}
+    (tmp_path / "cluster_tta.json").write_text(json.dumps(record_))
+    text = results_tables.render("cluster_tta", tmp_path)
+    assert "docs/results/cluster_tta.json" in text and "Which kind when" in text
+    assert not math.isnan(result()["ratio"])
