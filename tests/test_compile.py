@@ -140,7 +140,7 @@ def test_compiled_training_compiles_before_the_clock_and_matches_eager(tmp_path,
     assert graphs["before the clock"] == graphs["after fit"], graphs
 
 
-@pytest.mark.e2e
+@pytest.mark.long  # 8 candidates measured at 3 shapes, then a run: about 20 s on 2 cores
 def test_every_measured_combination_and_shape_stays_compiled(tmp_path, digits_root, monkeypatch) -> None:
     """compile, precision and memory layout all at auto over 3 training shapes: 24 combinations of choice and shape,
     beyond dynamo's default limit of 8 graphs, past which it runs eager without a word. With the limit left alone

@@ -67,6 +67,8 @@ def test_missing_iproute2_is_a_clear_error(tmp_path):
     (("up", "2"), "RATE missing"),
     (("up", "2", "fast"), "RATE must look like 1gbit, 200mbit or 500kbit (or 'unlimited'), got 'fast'"),
     (("sideways",), "unknown command 'sideways'"),
+    (("rate",), "rate: RATE missing"),
+    (("rate", "fast"), "RATE must look like 1gbit, 200mbit or 500kbit (or 'unlimited'), got 'fast'"),
 ])
 def test_bad_arguments_are_named_before_anything_is_made(tmp_path, args, message):
     env = {**ENV, "PATH": f"{stub_bin(tmp_path, 0)}:{os.environ['PATH']}"}

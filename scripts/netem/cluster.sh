@@ -7,6 +7,7 @@
 # every kernel; bandwidth is the quantity the paper's argument is about, and tbf shapes it.
 #
 #   scripts/netem/cluster.sh up N RATE     create (or reshape) nodes 0..N-1; RATE: 1gbit, 200mbit, unlimited
+#   scripts/netem/cluster.sh rate RATE     reshape every node's links to RATE while the cluster is up (runs go on)
 #   scripts/netem/cluster.sh down          remove every namespace, veth, bridge and qdisc it made
 #   scripts/netem/cluster.sh status        nodes, addresses and shaping
 #   scripts/netem/cluster.sh addr I        the address of node I (for MASTER_ADDR)
@@ -22,7 +23,7 @@ BRIDGE="${PREFIX}-br"
 MAX_NODES=64
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
-usage() { sed -n '9,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '9,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 check_prefix() {
   [[ $PREFIX =~ ^[a-z][a-z0-9]{0,5}$ ]] || die "NETEM_PREFIX must be 1-6 lowercase letters/digits starting with a letter, got '$PREFIX'"
@@ -50,7 +51,8 @@ rate_bps() {
     || die "RATE must look like 1gbit, 200mbit or 500kbit (or 'unlimited'), got '$1'"
   local mult=1
   case ${BASH_REMATCH[3]} in kbit) mult=1000 ;; mbit) mult=1000000 ;; gbit) mult=1000000000 ;; esac
-  awk -v v="${BASH_REMATCH[1]}" -v m="$mult" 'BEGIN { printf "%d", v * m }'
+  # %.0f, not %d: mawk's %d stops at 2^31-1, which would shape 5gbit to 2147mbit
+  awk -v v="${BASH_REMATCH[1]}" -v m="$mult" 'BEGIN { printf "%.0f", v * m }'
 }
 
 nodes_present() {  # indices of this prefix's namespaces, sorted
@@ -132,6 +134,22 @@ remove_node() {
   rm -rf "/etc/netns/${PREFIX}-n$i"
 }
 
+# A link that degrades (or recovers) mid-run: the same nodes, new shaping, live connections untouched.
+cmd_rate() {
+  local rate=${1:-}
+  [[ -n $rate ]] || die "rate: RATE missing (e.g. scripts/netem/cluster.sh rate 200mbit)"
+  local bps=0
+  [[ ${rate,,} == unlimited ]] || bps=$(rate_bps "$rate")
+  local nodes i
+  nodes=$(nodes_present)
+  [[ -n $nodes ]] || die "rate: no nodes (prefix $PREFIX): run scripts/netem/cluster.sh up N RATE first"
+  for i in $nodes; do
+    shape "${PREFIX}-n$i" "${PREFIX}-v$i" "$bps"   # node -> switch (upload)
+    shape "" "${PREFIX}-h$i" "$bps"                # switch -> node (download)
+  done
+  cmd_status
+}
+
 cmd_down() {
   local i
   for i in $(nodes_present); do
@@ -172,13 +190,14 @@ main() {
   check_prefix
   case $cmd in
     up) need_root_and_tools "$cmd" "$@"; cmd_up "$@" ;;
+    rate) need_root_and_tools "$cmd" "$@"; cmd_rate "$@" ;;
     down) need_root_and_tools "$cmd" "$@"; cmd_down ;;
     status) need_root_and_tools "$cmd" "$@"; cmd_status ;;
     addr)
       [[ ${1:-} =~ ^[0-9]+$ ]] || die "addr: node index missing (scripts/netem/cluster.sh addr 0)"
       echo "$SUBNET.$(( $1 + 1 ))" ;;
     -h|--help|help) usage ;;
-    *) die "unknown command '$cmd' (up, down, status, addr)" ;;
+    *) die "unknown command '$cmd' (up, rate, down, status, addr)" ;;
   esac
 }
 

@@ -14,7 +14,10 @@ separated by commas (`kill:1:8,term:1:1:1`: the restarted attempt is preempted i
 
 The recipe itself has no test hooks: `install` wraps `recipes.resnet50.build_model`. `full_disk_in` makes one
 checkpoint write of trainer/checkpoint.py meet a full filesystem (a ballast file takes every free byte), and
-`stop_in_bursts` slows a running rank down from outside with SIGSTOP and SIGCONT.
+`stop_in_bursts` slows a running rank down from outside with SIGSTOP and SIGCONT. `link_rate_at_steps` reshapes
+the emulated cluster's links (scripts/netem/cluster.sh rate) when the run's metrics.jsonl reaches given steps;
+`CONSERVATION=FILE` makes every rank measure, after each exchange, the gradient mass error feedback lost or
+added (`check_conservation`), rank 0 writing one JSON line per step to FILE.
 """
 
 from __future__ import annotations
@@ -28,13 +31,19 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+import subprocess
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
 from torch import nn
 
 import recipes.resnet50 as recipe
 import trainer.checkpoint
+import trainer.run
+from trainer.comm import Communicator, CommConfig, PlanExecutor
+from trainer.dist import Topology
+
+CLUSTER = Path(__file__).resolve().parents[2] / "scripts" / "netem" / "cluster.sh"
 
 
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "usr1": signal.SIGUSR1}
@@ -155,7 +164,118 @@ def stop_in_bursts(pid: int, stopped_s: float, running_s: float, until: Callable
     return bursts
 
 
+def logged_step(metrics: Path) -> int:
+    """The newest training step the run's metrics.jsonl records (0 before the first)."""
+    step = 0
+    with contextlib.suppress(OSError):
+        for line in metrics.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a line being written
+                record = json.loads(line)
+                if record.get("kind") == "step":
+                    step = max(step, int(record["step"]))
+    return step
+
+
+def link_rate_at_steps(metrics: Path, changes: Sequence[tuple[int, str]], running: Callable[[], bool],
+                       env: dict[str, str] | None = None, poll_s: float = 0.05) -> list[tuple[int, str]]:
+    """For each (step, rate) in order: once the run's `metrics` (log.every_steps 1) records that step, reshape
+    every link of the emulated cluster to `rate` (`cluster.sh rate`, with `env`'s NETEM_PREFIX). Stops early
+    when `running()` turns false. Returns (the step logged when the rate was set, rate) per change made."""
+    done = []
+    for step, rate in changes:
+        seen = logged_step(metrics)
+        while seen < step and running():
+            time.sleep(poll_s)
+            seen = logged_step(metrics)
+        if seen < step:
+            break
+        proc = subprocess.run([str(CLUSTER), "rate", rate], env=env, capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise RuntimeError(f"cluster.sh rate {rate} failed: {proc.stderr.strip()}")
+        done.append((seen, rate))
+    return done
+
+
+SAMPLE = 2**14
+"""Elements of each bucket the conservation check compares (the same positions on every rank)."""
+
+
+def placed(comm: PlanExecutor, index: int, n: int, at: torch.Tensor) -> torch.Tensor:
+    """Bucket `index`'s residual (n elements, zero where it keeps none) at the positions `at`, in float64."""
+    out = torch.zeros(n, dtype=torch.float64)
+    residual = comm.residuals.get(index)
+    if residual is not None:
+        lo, _ = comm.placement(comm._residual_kind[index], n)
+        hi = min(n, lo + residual.numel())
+        out[lo:hi] = residual[:hi - lo].double().cpu()
+    return out[at]
+
+
+def check_conservation(comm: Communicator, topo: Topology, out: Path) -> None:
+    """After every exchange of `comm`, measure at `SAMPLE` fixed positions per bucket how far the ranks' gradients
+    plus their residuals before the step are from W x the averaged gradient plus their residuals after it (error
+    feedback promises rounding only: nothing lost, nothing counted twice); rank 0 appends one JSON line per step
+    to `out`: per bucket the kind that ran, whether it folded a residual, |error| and |mass| (L1 over the sample)
+    and the residuals' L1 mass before the step."""
+    if not isinstance(comm, PlanExecutor):
+        raise TypeError(f"CONSERVATION needs a plan executor, got {type(comm).__name__}")
+    generator = torch.Generator().manual_seed(0)
+    at = {b.index: torch.randint(0, b.numel, (min(SAMPLE, b.numel),), generator=generator) for b in comm.buckets}
+    sent: dict[int, torch.Tensor] = {}
+    before: dict[int, torch.Tensor] = {}
+    kinds: dict[int, str] = {}
+    launch, finish = comm.launch, comm.finish
+    steps = 0
+
+    def launch_and_keep(bucket: Any) -> None:
+        # before the exchange thread folds a residual into the buffer: this rank's own gradient
+        sent[bucket.index] = bucket.buffer.double().cpu()[at[bucket.index]]
+        before[bucket.index] = placed(comm, bucket.index, bucket.numel, at[bucket.index])
+        kinds[bucket.index] = comm.choice_of(bucket).kind  # a window's end may change the plan inside finish()
+        launch(bucket)
+
+    def finish_and_check() -> dict[str, float]:
+        nonlocal steps
+        stats = finish()
+        steps += 1
+        rows = []
+        for b in comm.buckets:
+            p_at = at[b.index]
+            flat = torch.cat([p.grad.reshape(-1) for p in b.params]).double().cpu()[p_at]
+            mine = sent[b.index] + before[b.index] - placed(comm, b.index, b.numel, p_at)
+            rows.append(torch.stack([mine, mine.abs(), before[b.index].abs(), flat]))
+        mass = torch.stack(rows)
+        summed = mass.clone()
+        topo.world.all_reduce_(summed, "conservation check")
+        if topo.is_main:
+            folded = {index for index, _, _ in comm._folded}
+            record = {"step": steps, "buckets": [
+                {"index": b.index, "kind": kinds[b.index], "folded": b.index in folded,
+                 "error": (summed[i, 0] - topo.world_size * mass[i, 3]).abs().sum().item(),
+                 "mass": summed[i, 1].sum().item(), "residual": summed[i, 2].sum().item()}
+                for i, b in enumerate(comm.buckets)]}
+            with open(out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return stats
+
+    comm.launch, comm.finish = launch_and_keep, finish_and_check  # type: ignore[method-assign]
+
+
+def install_conservation_check(out: Path) -> None:
+    """Make the recipe's communicator run `check_conservation` (writing to `out`)."""
+    build = trainer.run.build_communicator
+
+    def build_and_check(cfg: CommConfig, model: nn.Module, topo: Topology) -> Communicator:
+        comm = build(cfg, model, topo)
+        check_conservation(comm, topo, out)
+        return comm
+
+    trainer.run.build_communicator = build_and_check
+
+
 if __name__ == "__main__":
     for spec in filter(None, os.environ.get("FAULT", "").split(",")):
         install(Fault.parse(spec))
+    if os.environ.get("CONSERVATION"):
+        install_conservation_check(Path(os.environ["CONSERVATION"]))
     recipe.main(sys.argv[1:])

@@ -232,6 +232,19 @@ class Policy:
             plan, plan_cost = self._guarded
             self._guarded = None
             said = f"comm auto: all dense measures {cost * 1e3:.1f} ms now, the plan {plan_cost * 1e3:.1f} ms"
+            # this window also measures the links: a move that fell into the plan's first windows became its
+            # reference and was never seen as drift; if dense moved from its prediction, the model follows it and
+            # decides again (another plan may fit the new links better than the plan or dense)
+            ratio = chain[top] / predicted[top] if predicted[top] > 0 else 1.0
+            if abs(ratio - 1) > h:
+                net = dataclasses.replace(self.net, net_scale=_clamp(self.net.net_scale * ratio))
+                other, t = choose(self.sizes, self.ready, net, self.options, self.local_competes)
+                was = predict(self.sizes, self.ready, plan, net, self.local_competes)[0]
+                if tuple(other) not in (plan, self.dense) and t < (1 - h) * was:
+                    self.net, self._reference = net, None
+                    self._use(tuple(other))
+                    return self._action("switch", f"{said}; link times moved x{ratio:.2f}; new plan: "
+                                                  f"{_pairs(self.plan)}")
             if plan_cost < (1 - MARGIN) * cost:
                 self._reference = None
                 self._use(plan)
