@@ -193,11 +193,13 @@ def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tu
     config; the input threads are settled afresh on every start. `timer` (default: the wall clock) and `cores`
     (default: `cores_per_rank`) are for tests."""
     task, comm = run_step.task, run_step.comm
-    space = {"amp": amp_candidates, **({"compile": list(compile_modes)} if list(compile_modes) != ["off"] else {}),
-             **task.choice_space()}
-    if list(compile_modes) != ["off"]:
+    compiling = list(compile_modes) != ["off"]
+    space = {"amp": amp_candidates, **({"compile": list(compile_modes)} if compiling else {}), **task.choice_space()}
+    # The probes' batches are built once: measuring and compiling before the clock both run them.
+    probes = task.probes(phases) if restored is None or compiling else []
+    if compiling:
         # a graph per combination and shape (training probes and the compiled ones of the task's own)
-        allow_graphs(math.prod(len(v) for v in space.values()) * len(task.probes(phases)))
+        allow_graphs(math.prod(len(v) for v in space.values()) * len(probes))
     selection = comm.selection_candidates()
     timer = timer or wall_timer(topo.device)
     total_steps = sum(steps for _, steps, _ in phases)
@@ -206,7 +208,6 @@ def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tu
                                          {**space, **({"selection": selection} if selection else {})})
         decision = restored
     else:
-        probes = task.probes(phases)
         decision = decide(space, probes, run_step, topo, cache, run_key(topo, task.model, space, probes, rounds),
                           rounds, timer, budget)
     model_choice = {k: v for k, v in decision.choice.items() if k in space}
@@ -214,7 +215,7 @@ def settle(restored: Decision | None, amp_candidates: list[str], phases: list[tu
     if model_choice.get("compile", "off") != "off":
         # Compiled at every training shape now, not inside the clock (after a measurement: cached, quick).
         with run_step.preserved():
-            for probe in task.probes(phases):
+            for probe in probes:
                 if probe.train:
                     run_step.step(probe.batch, True)
     # One budget for every group: a share of the run's predicted seconds (the kept combination's cost)
