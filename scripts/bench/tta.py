@@ -71,7 +71,7 @@ BASELINE = ("torchvision reference recipe (ImageFolder + DataLoader, fixed size,
 DATA = Path("datasets/tta_photos")  # written by scripts/make_tta_photos.py if missing
 RECIPE_CONFIG = "configs/tta_recipe_cpu.yaml"
 BASELINE_CONFIG = "configs/tta_baseline_cpu.yaml"
-FROZEN: dict[str, dict[float, str]] = {"baseline": {0.7: "configs/tta_baseline_cpu_70.yaml", 0.75: BASELINE_CONFIG},
+FROZEN: dict[str, dict[float, str]] = {"baseline": {0.7: BASELINE_CONFIG, 0.75: BASELINE_CONFIG},
                                        "recipe": {0.7: RECIPE_CONFIG, 0.75: RECIPE_CONFIG}}
 """Each side's frozen config per headline target, tuned for that target on tuning seeds; a side whose best config
 was the same for every target lists one file throughout and runs once per seed."""
