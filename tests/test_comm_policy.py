@@ -35,9 +35,10 @@ def network(bytes_per_s: float) -> Network:
                    Selection(0.0, 2e-8))
 
 
-def policy(trial_steps: int = 0, redecide_every: int = 10, hysteresis: float = 0.1) -> Policy:
+def policy(trial_steps: int = 0, redecide_every: int = 10, hysteresis: float = 0.1,
+           dense_recheck_every: int = 20) -> Policy:
     cfg = CommConfig(kind="auto", densities=[0.01], min_density=0.01, trial_steps=trial_steps,
-                     redecide_every=redecide_every, hysteresis=hysteresis)
+                     redecide_every=redecide_every, hysteresis=hysteresis, dense_recheck_every=dense_recheck_every)
     return Policy(cfg, SIZES, lambda n: candidates(n, LAYOUT, cfg.densities, cfg.min_density, cfg.dense_below),
                   local_competes=True)
 
@@ -190,6 +191,33 @@ def test_a_plan_measured_slower_than_dense_reverts_to_dense_and_holds():
     assert [unheld.observe(window(net, DENSE_PLAN, 0.5, f)).kind for f in (1, 1, 10, 10)] == ["keep"] * 3 + ["switch"]
     again = [p.observe(window(net, DENSE_PLAN, 0.5, 40)) for _ in range(2)]
     assert [a.kind for a in again] == ["keep", "switch"] and again[1].plan == TOPK_PLAN
+
+
+@pytest.mark.parametrize("every", [0, 3])
+def test_a_link_that_got_faster_under_top_k_is_seen_by_the_periodic_dense_window(every):
+    """Top-k's chain here is all selection, so a link that gets 10x faster leaves it unchanged. Every `every`
+    checks a short all-dense window measures the links: on unchanged links top-k comes back; on the fast link
+    the model follows it and dense stays. Catches a policy that never re-measures dense under a sparse plan (with
+    `every` 0 it keeps top-k on the fast link for good, the behaviour this replaced), one that re-measures with a
+    full-length window (`steps`), and one that does not refit the links from the window it holds dense on."""
+    net = network(1e8)
+    p, first = started(net, dense_recheck_every=every, hysteresis=0.3)  # top-k's chain moves ~13%: no drift
+    assert first.plan == TOPK_PLAN
+    same = [p.observe(window(net, TOPK_PLAN, 0.1)) for _ in range(3)]
+    if every == 0:
+        faster = [p.observe(window(net, TOPK_PLAN, 0.1, link_factor=0.1)) for _ in range(3 * HOLD_CHECKS)]
+        assert {(a.kind, a.plan) for a in same + faster} == {("keep", TOPK_PLAN)}
+        return
+    assert [a.kind for a in same] == ["keep", "keep", "recheck_dense"] and same[-1].plan == DENSE_PLAN
+    assert (same[-1].steps, same[-1].timed) == (min(10, WINDOW) + 1, min(10, WINDOW))
+    restored = p.observe(window(net, DENSE_PLAN, 0.5))  # dense as slow as before: top-k is still the faster
+    assert (restored.kind, restored.plan, restored.net_scale) == ("restore", TOPK_PLAN, pytest.approx(1.0))
+    faster = [p.observe(window(net, TOPK_PLAN, 0.1, link_factor=0.1)) for _ in range(every)]
+    assert [a.kind for a in faster] == ["keep"] * (every - 1) + ["recheck_dense"]
+    held = p.observe(window(net, DENSE_PLAN, 0.05, link_factor=0.1))  # dense now beats top-k's 0.1 s
+    assert (held.kind, held.plan, held.net_scale) == ("hold", DENSE_PLAN, pytest.approx(0.1)), held.message
+    after = [p.observe(window(net, DENSE_PLAN, 0.05, link_factor=0.1)) for _ in range(HOLD_CHECKS + 3)]
+    assert {(a.kind, a.plan) for a in after} == {("keep", DENSE_PLAN)}
 
 
 def test_ranks_that_measure_differently_take_one_decision_from_the_merged_window():

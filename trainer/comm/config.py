@@ -44,6 +44,10 @@ class CommConfig:
     redecide_every: int = 50
     """auto: steps between drift checks (the measured exchange times against the current plan's reference window:
     its second measured one, or the trial that chose it; re-decided when they moved by more than `hysteresis`)."""
+    dense_recheck_every: int = 20
+    """auto: drift checks a plan other than all dense runs before one short all-dense window (the steps a check
+    times, + 1) compares them on today's links: a link that got faster barely shows in a top-k plan's chains,
+    which are mostly its own selection (0: never; dense comes back only when the plan measures slower)."""
     hysteresis: float = 0.1
     """auto: the fraction by which measured chain times must move to re-decide, a new plan must be predicted
     faster, and a plan may measure slower than all dense before it reverts to dense."""
@@ -74,6 +78,8 @@ class CommConfig:
         require(self.trial_steps == 0 or self.trial_steps >= 2,
                 f"comm.trial_steps: must be 0 or >= 2 (the first step of a plan is not timed), got {self.trial_steps}")
         require(self.redecide_every >= 1, f"comm.redecide_every: must be >= 1, got {self.redecide_every}")
+        require(self.dense_recheck_every >= 0,
+                f"comm.dense_recheck_every: must be >= 0 (0 = never), got {self.dense_recheck_every}")
         require(0 <= self.hysteresis < 1, f"comm.hysteresis: must be in [0, 1), got {self.hysteresis}")
         require(self.selection in ("auto", "mstopk", "torch"),
                 f"comm.selection: must be auto, mstopk or torch, got {self.selection!r}")

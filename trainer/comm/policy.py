@@ -30,11 +30,13 @@ WINDOW = 8
 """Steps timed before each drift check."""
 
 
-ActionKind = Literal["try", "keep", "switch", "measure_dense", "compare_dense", "restore", "hold"]
+ActionKind = Literal["try", "keep", "switch", "measure_dense", "compare_dense", "recheck_dense", "restore", "hold"]
 """try: a plan on trial; keep: the same plan (after the trials: the one kept); switch: a new plan the model
 predicts faster on moved links; measure_dense: the links moved under a sparse plan, all dense measures them;
-compare_dense: the plan measured slower than dense, all dense is measured again to compare; restore: the plan
-beat that window and comes back; hold: it did not, dense stays for `HOLD_CHECKS` checks."""
+compare_dense: the plan measured slower than dense, all dense is measured again to compare; recheck_dense: a plan
+other than all dense ran `comm.dense_recheck_every` checks, one short all-dense window compares them on today's
+links; restore: the plan beat that window and comes back; hold: it did not, dense stays for `HOLD_CHECKS`
+checks."""
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,11 @@ class Policy:
         """The last window's chains moved (True: slower, False: faster), not yet confirmed."""
         self._remeasure = False
         """The links moved under a sparse plan: the window under way runs all dense to measure them."""
-        self._guarded: tuple[Plan, float] | None = None
-        """A plan that measured slower than dense and its step cost, while the window under way runs all dense."""
+        self._guarded: tuple[Plan, float, bool] | None = None
+        """A plan that measured slower than dense (or is rechecked: True) and its step cost, while the window under
+        way runs all dense."""
+        self._since_dense = 0
+        """Drift checks since the last all-dense window (`comm.dense_recheck_every`)."""
 
     # ------------------------------------------------------------ calibration and trials
 
@@ -215,6 +220,7 @@ class Policy:
         if moved:
             self._reference = chain
         dense_now = self.plan == self.dense
+        self._since_dense = 0 if dense_now else self._since_dense + 1
         if dense_now and self._remeasure:
             # the all-dense window after the links moved under a sparse plan: the link scale from what dense
             # measures now against what the model predicted for it, then a decision from there
@@ -229,7 +235,7 @@ class Policy:
             self.dense_cost_s = cost
         self.dense_hold = max(self.dense_hold - 1, 0)
         if dense_now and self._guarded is not None:  # the all-dense window after a plan measured slower
-            plan, plan_cost = self._guarded
+            plan, plan_cost, recheck = self._guarded
             self._guarded = None
             said = f"comm auto: all dense measures {cost * 1e3:.1f} ms now, the plan {plan_cost * 1e3:.1f} ms"
             # this window also measures the links: a move that fell into the plan's first windows became its
@@ -238,6 +244,8 @@ class Policy:
             ratio = chain[top] / predicted[top] if predicted[top] > 0 else 1.0
             if abs(ratio - 1) > h:
                 net = dataclasses.replace(self.net, net_scale=_clamp(self.net.net_scale * ratio))
+                if recheck:  # the window's purpose: the model follows the links whatever comes next
+                    self.net = net
                 other, t = choose(self.sizes, self.ready, net, self.options, self.local_competes)
                 was = predict(self.sizes, self.ready, plan, net, self.local_competes)[0]
                 if tuple(other) not in (plan, self.dense) and t < (1 - h) * was:
@@ -256,10 +264,19 @@ class Policy:
             self._use(self.dense)
             return self._action("measure_dense", f"comm auto: link times moved x{ratio:.2f}; one window all dense "
                                                  f"to measure it: {_pairs(self.plan)}")
+        # a sparse plan's chains are mostly its own selection: a link that got faster barely shows in them, so
+        # every `dense_recheck_every` checks a short all-dense window measures today's links and is compared
+        every = self.cfg.dense_recheck_every
+        if not dense_now and every and self._since_dense >= every and self._moved_before is None:
+            self._reference = None
+            self._guarded = (self.plan, cost, True)
+            self._use(self.dense)
+            return self._action("recheck_dense", f"comm auto: {every} checks since all dense last ran; one short "
+                                                 f"window all dense to compare on today's links: {_pairs(self.plan)}")
         # the comparison needs its dense baseline on the same links: not while a move awaits its second window
         if not dense_now and cost > (1 + h) * self.dense_cost_s and self._moved_before is None:
             self._reference = None
-            self._guarded = (self.plan, cost)
+            self._guarded = (self.plan, cost, False)
             self._use(self.dense)
             return self._action("compare_dense", f"comm auto: measured {cost * 1e3:.1f} ms against "
                                                  f"{self.dense_cost_s * 1e3:.1f} ms all dense; one window all dense "
@@ -293,6 +310,9 @@ class Policy:
     def _action(self, kind: ActionKind, message: str = "") -> Action:
         if kind == "try":
             steps = timed = self.cfg.trial_steps
+        elif kind == "recheck_dense":  # all dense at today's (maybe slow) links: only the steps it times, + 1
+            steps = min(self.cfg.redecide_every, WINDOW) + 1
+            timed = steps - 1
         else:
             steps, timed = self.cfg.redecide_every, min(self.cfg.redecide_every, WINDOW)
         return Action(kind, self.plan, steps, timed, self.net.net_scale, tuple(self.ready), message)
