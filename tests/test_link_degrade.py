@@ -203,8 +203,8 @@ def test_a_link_that_degrades_mid_run_is_re_decided_with_exact_residuals_and_the
     top1 = [json.loads((d / "summary.json").read_text())["final_top1"] for d in (reference, degraded)]
     assert top1[0] > 0.3 and abs(top1[1] - top1[0]) <= TOP1_TOLERANCE, top1
     print(f"link {FAST} -> {SLOW} after step {dropped}, back after {back}; the large bucket sparse from step "
-          f"{switched}, dense again from step {recovered}; plans {sorted(set(kinds))}; {folds} residual(s) folded; top-1 {top1[0]:.3f} undisturbed, "
-          f"{top1[1]:.3f} degraded")
+          f"{switched}, dense again from step {recovered}; plans {sorted(set(kinds))}; {folds} residual(s) folded; "
+          f"top-1 {top1[0]:.3f} undisturbed, {top1[1]:.3f} degraded")
 
 
 @needs_root
