@@ -57,7 +57,7 @@ test-long: setup
 
 ## the cluster tier (needs root: network namespaces, tmpfs mounts); CI runs it after make test
 test-cluster: setup
-	$(PY) -m pytest tests -q -rs --tier cluster
+	$(PY) -m pytest tests -q -rs --tier cluster $(ARGS)
 
 # Horovod 0.28.1 patched for torch >= 2.1 and built from source (built once; the wheel is cached).
 ## build Horovod 0.28.1 for this torch (optional; its tests skip without it)

@@ -29,6 +29,19 @@ TIERS = ("unit", "dist", "e2e", "long", "cluster", "gpu")
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--tier", default="", help=f"run only these tiers, comma-separated ({', '.join(TIERS)}); a "
                                                 "test's tier is its closest tier marker")
+    parser.addoption("--no-skips", action="store_true", help="a skipped test fails the run (CI's cluster tier: "
+                                                             "as root every one of them must run)")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """--no-skips: any skip turns a passing run into a failing one, listed by -rs."""
+    if not session.config.getoption("--no-skips") or exitstatus != 0:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    if skipped:
+        print(f"\n--no-skips: {len(skipped)} test(s) skipped; they must run here", flush=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def tier_of(item: pytest.Item) -> str | None:

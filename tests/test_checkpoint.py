@@ -113,6 +113,7 @@ def resumed_on_2(runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     return {"on2": (intact, results[0]), "corrupt": (corrupt, results[1])}
 
 
+@pytest.mark.long
 def test_a_sigterm_to_one_rank_leaves_a_complete_per_rank_checkpoint(runs):
     newest = checkpoint_dirs(runs["preempted"])[0]
     assert newest.name == "step-00000005"  # the step rank 1 was in when the signal came, finished
@@ -131,6 +132,7 @@ def test_a_sigterm_to_one_rank_leaves_a_complete_per_rank_checkpoint(runs):
     assert not (runs["preempted"] / "summary.json").exists()
 
 
+@pytest.mark.long
 def test_the_preempted_run_resumes_on_2_ranks_bitwise_equal(runs, resumed_on_2):
     run, results = resumed_on_2["on2"]
     assert [r["status"] for r in results] == [0, 0]
@@ -147,6 +149,7 @@ def test_the_preempted_run_resumes_on_2_ranks_bitwise_equal(runs, resumed_on_2):
     assert a["final"]["eval/top1"] == b["final"]["eval/top1"] and a["steps"] == b["steps"] == 6
 
 
+@pytest.mark.long
 def test_the_preempted_run_resumes_on_3_ranks_with_a_warning(runs, tmp_path, digits_root):
     run = resumed_copy(runs, tmp_path, "on3")
     (results,) = train(tmp_path, 3, [(recipe_args(digits_root, run, "train.resume=true"), "")])
@@ -162,6 +165,7 @@ def test_the_preempted_run_resumes_on_3_ranks_with_a_warning(runs, tmp_path, dig
     assert newest.name == "step-00000006" and len(state["ranks"]) == 3  # now a 3-rank checkpoint
 
 
+@pytest.mark.long
 def test_a_corrupted_rank_file_falls_back_to_the_previous_checkpoint(runs, resumed_on_2):
     run, results = resumed_on_2["corrupt"]
     assert [r["status"] for r in results] == [0, 0]

@@ -224,6 +224,7 @@ def _residuals_survive_a_checkpoint(rank: int, world: int, folder: str) -> None:
             assert torch.equal(p.grad, q.grad)
 
 
+@pytest.mark.long
 def test_residuals_are_restored_from_a_checkpoint(tmp_path):
     run_ranks(_residuals_survive_a_checkpoint, 4, tmp_path, str(tmp_path / "ckpt"))
 

@@ -117,6 +117,7 @@ def _switching_keeps_mass(rank: int, world: int, per_node: int) -> list[str]:
     return decided
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("world,per_node", [(4, 2), (4, 1)])
 def test_switching_buckets_keeps_the_mass_and_all_ranks_decide_alike(tmp_path, world, per_node):
     decisions = run_ranks(_switching_keeps_mass, world, tmp_path, per_node, timeout=240)
@@ -254,19 +255,31 @@ def _kinds(comm: AutoCommunicator) -> list[str]:
 def _decide_with_links(rank: int, world: int, per_node: int) -> list[list[str]]:
     """The plan with a slow inter-node link, then with the fast local one."""
     topo = setup_distributed(DistConfig(ranks_per_node=per_node))
-    plans = []
+    import trainer.comm.auto as auto
+    probed, measure = [], auto.sparse_local_work
+
+    def recording(g: torch.Tensor, density: float, peers: int, *args: Any, **kwargs: Any) -> Any:
+        probed.append((g.numel(), peers))
+        return measure(g, density, peers, *args, **kwargs)
+    auto.sparse_local_work = recording
+    plans: list = []
     for inter_s_per_mb in (0.3, 0.0):
         cfg, model, comm = _auto_comm(topo, Emulation(inter_s_per_mb, SELECTION_S), trial_steps=0)
         _run_steps(comm, model, rank, cfg.calibration_steps)
         comm.detach()
         plans.append(_kinds(comm))
-    return plans
+    return plans + [sorted(set(probed))]
 
 
 @pytest.mark.parametrize("world,per_node", [(4, 2), (4, 1)])
 def test_a_slow_link_turns_the_large_bucket_sparse_and_a_fast_one_keeps_it_dense(tmp_path, world, per_node):
-    plans = run_ranks(_decide_with_links, world, tmp_path, per_node, timeout=300)
+    """Also: the local work is probed as each kind does it, flat top-k on the whole bucket with one payload per
+    rank to scatter-add, hitopk on its shard with one per node (a probe with one kind's peers for both fails)."""
+    results = run_ranks(_decide_with_links, world, tmp_path, per_node, timeout=300)
+    plans = [r[:2] for r in results]
     assert all(p == plans[0] for p in plans), plans
+    nodes = world // per_node
+    assert results[0][2] == sorted({(BIG, world), (BIG // per_node, nodes)}), results[0][2]
     slow, fast = plans[0]
     assert slow[0] in ("topk", "hitopk") and slow[1].startswith("dense"), slow
     assert fast[0].startswith("dense"), fast
@@ -316,6 +329,7 @@ def _live_link_change(rank: int, world: int, inter_s_per_mb: list[float]) -> lis
     return plans
 
 
+@pytest.mark.long
 def test_a_link_that_slows_down_on_a_live_run_is_re_decided_once_alike_on_every_rank(tmp_path):
     # a fast link (where top-k's selection does not pay), then a slow one
     plans = run_ranks(_live_link_change, 4, tmp_path, [0.02, 0.02] + [0.3] * 6, timeout=300)

@@ -101,6 +101,7 @@ def test_torchvision_export_loads_strictly_and_gives_the_trained_logits(trained_
         "resnet18-step-00000003.pth"
 
 
+@pytest.mark.long
 def test_onnx_export_gives_the_same_logits_in_onnxruntime(trained_run, tmp_path):
     pytest.importorskip("onnxscript", reason="torch.onnx's exporter needs onnxscript (requirements.txt)")
     ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (requirements.txt)")

@@ -232,7 +232,7 @@ TRITON_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.e2e
+@pytest.mark.long
 def test_triton_kernels_match_reference_in_interpreter() -> None:
     pytest.importorskip("triton", reason="Triton is not installed")
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -150,7 +150,8 @@ class Checkpointer:
         # The previous background write is complete everywhere (rank 0's manifest and pruning included) before
         # any rank starts the next one: pruning never meets a folder being written.
         self.wait()
-        broadcast_module(self.run.model, self.topo, buffers_only=True)
+        if not self.run.comm.periodic:  # a periodic kind averages them at its rounds' ends and keeps its own mid-round
+            broadcast_module(self.run.model, self.topo, buffers_only=True)
         self.started += 1
         token = f"{self.token}-{self.started}"  # a rewrite of the same step is a new attempt
         # Any failure (a full disk, a pickling error, MemoryError) is passed to every rank: raised on this one

@@ -84,6 +84,7 @@ class Trainer:
         self.history: list[dict] = []
         self.time_to_target_s: float | None = None
         self.skipped_steps, self.skipped_in_a_row = 0, 0
+        self._guard_due = False
         self._clock = time.perf_counter()
 
     # ------------------------------------------------------------ state
@@ -215,11 +216,26 @@ class Trainer:
         if once:  # e.g. the auto communicator's calibration, read back by `scripts/plan.py --from-run`
             self.metrics.log("comm", self.step + 1, {f"comm/{k}": v for k, v in once.items()})
         self.optimizer_step(loss)
-        if self._stepped:  # e.g. the weights' moving average (train.ema_decay) folds the new weights in
-            self._after_step(self.step + 1)
+        synced = self.comm.end_step()  # a periodic kind's round may end here; None: mid-round
+        if synced:
+            comm_stats = {**comm_stats, **synced}
         self.optimizer.zero_grad(set_to_none=True)
-        self.guard.maybe_check(self.model, self.step + 1)
+        self.after_replicas_change(synced, self.step + 1)
         return loss.detach(), units, comm_stats
+
+    def after_replicas_change(self, synced: dict[str, float] | None, step: int) -> None:
+        """After step `step`'s update (`synced`: `Communicator.end_step`'s or `end_round`'s answer): the weights'
+        moving average (train.ema_decay) folds the new weights in, and the replica guard checks when due, both
+        only where the replicas are equal: after every applied step of a gradient exchange, at the end of a
+        periodic kind's round (a check due mid-round waits for it)."""
+        self._guard_due = self._guard_due or self.guard.should_check(step)
+        if synced is None:
+            return
+        if self._stepped or self.comm.periodic:
+            self._after_step(step)
+        if self._guard_due:
+            self.guard.check(self.model, step)
+            self._guard_due = False
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of the (scaled) loss. With a loss scaler the communicator gets the step's scale as a device
@@ -370,6 +386,9 @@ class Trainer:
                 self.preemption.stop(self.step, self.checkpoint_before_stop, bar)
         if hasattr(batches, "close"):
             batches.close()  # let the task's generator release its loader state now
+        synced = self.comm.end_round()  # a periodic kind's open round ends with the epoch
+        if synced is not None:
+            self.after_replicas_change(synced, self.step)
         self.raise_if_nonfinite("at the epoch's end")
         seconds = time.perf_counter() - epoch.start
         (units,) = all_reduce_sum([epoch.units], self.topo)

@@ -74,7 +74,7 @@ def train(cfg: Any, build_data: BuildData, build_task: BuildTask) -> dict[str, A
         data = build_data(cfg, topo)
         cleanup.callback(getattr(data, "close", lambda: None))
         task, optimizer = build_task(cfg, topo, data)
-        comm = build_communicator(cfg.comm, task.model, topo)
+        comm = build_communicator(cfg.comm, task.model, topo, optimizer)
         metrics = build_metrics(cfg.log, topo.is_main, fresh=not cfg.train.should_resume(), extra=task.writers)
         cleanup.callback(metrics.close)
         write_run_record(Path(cfg.log.dir), topo, fresh=not cfg.train.should_resume())  # env.json, every rank's host

@@ -65,12 +65,12 @@ KINDS: dict[str, list[str]] = {
     "auto": ["comm.kind=auto", "comm.compression=fp16"],
 }
 """Each kind the bench trains with -> its config overrides, in the order of a seed's first rate."""
-MULTI_STEP_KINDS: dict[str, list[str]] = {}
-"""The place for the multi-step kinds (`local`: local SGD / DiLoCo, `comm.kind=local`) once the communicator accepts
-them; they run after KINDS, on the same seeds and rates."""
+MULTI_STEP_KINDS: dict[str, list[str]] = {"local": ["comm.kind=local"]}
+"""The multi-step kinds (`local`: local SGD, at comm.local_steps' default, plain averaging; not tuned yet) -> their
+overrides; they run after KINDS, on the same seeds and rates."""
 PER_STEP_KINDS = ("dense", "dense16", "topk", "hitopk", "powersgd")
 """The kinds that exchange every step with a fixed plan: what auto is compared against."""
-QUICK_KINDS = ("dense", "topk", "powersgd", "auto")  # and `local`, once it is in MULTI_STEP_KINDS
+QUICK_KINDS = ("dense", "topk", "powersgd", "auto")  # and MULTI_STEP_KINDS
 QUICK_RATES = ("1gbit",)
 NODES, RANKS_PER_NODE = 2, 2
 NETEM_ENV = {"NETEM_PREFIX": "dawnt", "NETEM_SUBNET": "10.213.2"}  # not scaling's or the default: ours to tear down

@@ -145,6 +145,7 @@ def test_a_sigterm_to_one_rank_checkpoints_exits_75_and_the_restart_ends_equal(k
     assert a["final"]["eval/top1"] == b["final"]["eval/top1"] and a["final"]["eval/loss"] == b["final"]["eval/loss"]
 
 
+@pytest.mark.long
 def test_a_torn_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, digits_root, uninterrupted):
     reference = final_state(uninterrupted("dense"))
     run = tmp_path / "torn"

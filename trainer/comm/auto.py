@@ -339,11 +339,13 @@ class AutoCommunicator(PlanExecutor):
         """Seconds of the sparse local work on each large bucket's gradient (and a shard of it), and of a 16-bit
         round trip of the largest bucket: [(elements, s)], (elements, s)."""
         density = max([d for d in self.cfg.densities if d >= self.cfg.min_density] or [self.cfg.min_density])
-        peers = max(self.inter.size if self.inter is not None else 1, 1)
+        nodes = max(self.inter.size if self.inter is not None else 1, 1)
         points = []
         big = [b for b in self.buckets if b.numel >= self.dense_below and b.buffer is not None]
         for b in big:
-            for part in sorted({b.numel, self.placement("hitopk", b.numel)[1]}):
+            # flat top-k selects from the whole bucket and scatter-adds one payload per rank; hitopk selects from
+            # its shard and scatter-adds one per node
+            for part, peers in sorted({(b.numel, self.topo.world_size), (self.placement("hitopk", b.numel)[1], nodes)}):
                 # this bucket's values (selection cost depends on them), made finite: after an fp16 overflow
                 # the live gradient holds inf/NaN, which selection rejects
                 g = torch.nan_to_num(b.buffer[:part].float(), nan=0.0, posinf=0.0, neginf=0.0)

@@ -57,6 +57,9 @@ class Communicator:
     selection, and the achieved density (elements sent / elements they were selected from).
     """
 
+    periodic = False
+    """Whether the replicas differ between synchronisations (a kind that synchronises every H steps)."""
+
     def __init__(self, topo: Topology) -> None:
         self.topo = topo
         self.steps = 0
@@ -79,6 +82,17 @@ class Communicator:
     def finish(self) -> dict[str, float]:
         """Complete this step's exchange and write the averaged gradients back; this step's stats."""
         raise NotImplementedError
+
+    def end_step(self) -> dict[str, float] | None:
+        """After the step's optimizer step (taken or skipped): a periodic kind synchronises here when its round
+        ends. The synchronisation's stats; {} when the replicas are equal without one (a gradient exchange);
+        None mid-round."""
+        return {}
+
+    def end_round(self) -> dict[str, float] | None:
+        """At an epoch's end: a periodic kind synchronises an open round now (its stats); None when it had
+        nothing to do."""
+        return None
 
     def pop_records(self) -> dict[str, float]:
         """Values to log once rather than every step (a calibration), cleared by the call."""

@@ -7,7 +7,7 @@ from typing import Literal
 
 from trainer.config import require
 
-CommKind = Literal["dense", "topk", "hitopk", "powersgd", "auto"]
+CommKind = Literal["dense", "topk", "hitopk", "powersgd", "local", "auto"]
 """The values of `comm.kind`."""
 Compression = Literal["none", "fp16", "bf16"]
 """The values of `comm.compression`."""
@@ -18,7 +18,9 @@ class CommConfig:
     kind: CommKind = "dense"
     """Gradient exchange: dense = bucketed allreduce; topk = every rank's top-k with error feedback,
     allgathered; hitopk = the paper's hierarchical top-k (dense inside a node, sparse between nodes); powersgd =
-    PowerSGD's rank-r approximation of each gradient matrix with error feedback (two small allreduces); auto =
+    PowerSGD's rank-r approximation of each gradient matrix with error feedback (two small allreduces); local =
+    local SGD / DiLoCo: each rank steps on its own gradients, and every comm.local_steps steps one allreduce of
+    the pseudo-gradient feeds an outer SGD step (trainer/comm/local.py); auto =
     measure the cluster during the dense warm-up, then per bucket the exchange (dense fp32, dense 16-bit,
     topk, hitopk) and density with the least predicted exposed time (docs/communicators.md)."""
     bucket_mb: float = 25.0
@@ -61,6 +63,13 @@ class CommConfig:
     """powersgd: rank r of each gradient matrix's approximation (rows x r and cols x r factors are sent)."""
     powersgd_warm_start: bool = True
     """powersgd: start each step's power iteration from the previous step's Q (else from a fresh random one)."""
+    local_steps: int = 8
+    """local: H, the optimizer steps of a round; a round also ends at every epoch's end (1 with outer_lr 1,
+    outer_momentum 0 and plain SGD is data-parallel SGD)."""
+    outer_lr: float = 1.0
+    """local: the outer SGD step's rate on the averaged pseudo-gradient (1 with outer_momentum 0 = averaging)."""
+    outer_momentum: float = 0.0
+    """local: the outer step's Nesterov momentum (DiLoCo: outer_lr 0.7, outer_momentum 0.9); 0 = none."""
 
     def __post_init__(self) -> None:
         require(self.bucket_mb > 0, f"comm.bucket_mb: must be > 0, got {self.bucket_mb}")
@@ -86,3 +95,6 @@ class CommConfig:
         require(1 <= self.selection_iters <= 32,
                 f"comm.selection_iters: must be in [1, 32], got {self.selection_iters}")
         require(self.powersgd_rank >= 1, f"comm.powersgd_rank: must be >= 1, got {self.powersgd_rank}")
+        require(self.local_steps >= 1, f"comm.local_steps: must be >= 1, got {self.local_steps}")
+        require(self.outer_lr > 0, f"comm.outer_lr: must be > 0, got {self.outer_lr}")
+        require(0 <= self.outer_momentum < 1, f"comm.outer_momentum: must be in [0, 1), got {self.outer_momentum}")

@@ -9,7 +9,7 @@ the hook. Otherwise every bucket runs on one background thread, in launch order 
 
 A kind is a `Choice` name (trainer/comm/plan.py) plus its `Execution`: a new per-step gradient kind (PowerSGD)
 is a name in `plan.KINDS`, its `describe` in cost.py and an `Execution` given to the communicators that may
-choose it. Kinds that synchronise every H steps around `optimizer.step` are trainer/comm/periodic.py's.
+choose it. Kinds that synchronise every H steps around `optimizer.step` (local) are trainer/comm/local.py's.
 """
 
 from __future__ import annotations

@@ -1,0 +1,221 @@
+"""`comm.kind: local` (trainer/comm/local.py) on real gloo ranks: H = 1 with plain averaging is data-parallel SGD
+(with momentum too: the optimizer's state is averaged at a synchronisation); a round's synchronisation against
+its rules computed here from every rank's weights (the outer Nesterov step, BatchNorm statistics, skips agreed
+under a loss scaler); its state through torch.save restores a round mid-way; bad settings are config errors; and
+a 2-rank recipe run stopped mid-round by a SIGTERM resumes to the uninterrupted run's weights, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import run_ranks
+from trainer.comm import CommConfig, LocalSGD, build_communicator
+from trainer.config import ConfigError
+from trainer.dist import DistConfig, setup_distributed
+
+STEPS = 6
+
+
+def net(batchnorm: bool = False) -> nn.Module:
+    torch.manual_seed(0)  # the same initial weights on every rank
+    layers = [nn.Linear(6, 8)] + ([nn.BatchNorm1d(8)] if batchnorm else []) + [nn.ReLU(), nn.Linear(8, 3)]
+    return nn.Sequential(*layers)
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own data
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, comm, rank: int, step: int,
+               scale: float | None = None) -> dict | None:
+    """One step as the train loop takes it: backward, finish, the optimizer step, end_step."""
+    x, y = batch(rank, step)
+    loss = nn.functional.cross_entropy(model(x), y)
+    comm.set_grad_scale(None if scale is None else torch.tensor(scale))
+    (loss if scale is None else loss * scale).backward()
+    comm.finish()
+    if scale is not None:
+        for p in model.parameters():
+            p.grad.div_(scale)
+    if all(torch.isfinite(p.grad).all() for p in model.parameters()):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return comm.end_step()
+
+
+def gathered(topo, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Every rank's tensors, flattened: one row per rank."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    return topo.world.all_gather(flat.reshape(1, -1), "test gather")
+
+
+def _h1_is_data_parallel(rank: int, world: int) -> None:
+    topo = setup_distributed(DistConfig())
+    for momentum in (0.0, 0.9):
+        results = []
+        for kind in ("dense", "local"):
+            model = net()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+            comm = build_communicator(CommConfig(kind=kind, local_steps=1), model, topo, optimizer)
+            for step in range(STEPS):
+                synced = train_step(model, optimizer, comm, rank, step)
+                assert synced is not None  # H = 1: every step ends a round
+            comm.detach()
+            results.append([p.detach().clone() for p in model.parameters()])
+        for dense, local in zip(*results):
+            assert torch.allclose(dense, local, atol=1e-6), (momentum, (dense - local).abs().max())
+        # and it trained: a wrong local kind that never moves would not match dense's moved weights
+        assert not torch.allclose(results[0][0], net()[0].weight)
+
+
+def _a_round_follows_its_rules(rank: int, world: int) -> None:
+    topo = setup_distributed(DistConfig())
+    model = net(batchnorm=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cfg = CommConfig(kind="local", local_steps=3, outer_lr=0.7, outer_momentum=0.9)
+    comm = build_communicator(cfg, model, topo, optimizer)
+    assert isinstance(comm, LocalSGD)
+    params, buffers = list(model.parameters()), [model[1].running_mean, model[1].running_var]
+    start = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+    anchor, velocity = start.clone(), torch.zeros_like(start)
+    for step in range(2 * 3):
+        if step % 3 == 2:  # the round's last step: what every rank holds before the synchronisation
+            x, y = batch(rank, step)
+            nn.functional.cross_entropy(model(x), y).backward()
+            comm.finish()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            before = gathered(topo, params)
+            stats_before = gathered(topo, buffers)
+            moments = gathered(topo, [optimizer.state[p]["momentum_buffer"] for p in params])
+            assert not torch.equal(before[0], before[1])  # the ranks drifted apart during the round
+            synced = comm.end_step()
+            assert synced is not None and synced["bytes_sent"] > 0
+            delta = anchor - before.mean(0)  # torch.optim.SGD's Nesterov step on the mean pseudo-gradient
+            velocity = 0.9 * velocity + delta
+            anchor = anchor - 0.7 * (delta + 0.9 * velocity)
+            after = gathered(topo, params)
+            assert torch.equal(after[0], after[1])
+            assert torch.allclose(after[rank], anchor, atol=1e-6)
+            assert torch.allclose(gathered(topo, buffers)[rank], stats_before.mean(0), atol=1e-6)
+            mine = torch.cat([optimizer.state[p]["momentum_buffer"].reshape(-1) for p in params])
+            assert torch.allclose(mine, moments.mean(0), atol=1e-6)
+        else:
+            assert train_step(model, optimizer, comm, rank, step) is None  # mid-round: nothing exchanged
+
+
+def _skips_agree_and_state_restores(rank: int, world: int) -> None:
+    topo = setup_distributed(DistConfig())
+    cfg = CommConfig(kind="local", local_steps=4, outer_lr=0.8, outer_momentum=0.5)
+    straight = net(batchnorm=True)
+    opt_a = torch.optim.SGD(straight.parameters(), lr=0.1, momentum=0.9)
+    comm_a = build_communicator(cfg, straight, topo, opt_a)
+    for step in range(6):  # a synchronisation at step 4, then two steps into the next round
+        train_step(straight, opt_a, comm_a, rank, step)
+    buffer = io.BytesIO()
+    torch.save(comm_a.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert saved["since_sync"] == 2 and saved["round"]["mine"] is not None
+    restored = net(batchnorm=True)  # the checkpoint's model file is rank 0's: the round's own state restores
+    restored.load_state_dict(gathered_state_of_rank0(topo, straight))
+    opt_b = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # as from a file: no tensor shared with opt_a
+    comm_b = build_communicator(cfg, restored, topo, opt_b)
+    comm_b.load_state_dict(saved)
+    for step in range(6, 11):  # two steps to the synchronisation at step 8, then into the next round
+        train_step(straight, opt_a, comm_a, rank, step)
+        train_step(restored, opt_b, comm_b, rank, step)
+    for (name, a), b in zip(straight.state_dict().items(), restored.state_dict().values()):
+        assert torch.equal(a, b), name
+    # under a loss scaler, an overflow on rank 1 alone makes both ranks skip: the weights stay equal at the
+    # round's end, and only rank 1's gradients held inf
+    comm_a.end_round()
+    weights = [p.detach().clone() for p in straight.parameters()]
+    scale = float("inf") if rank == 1 else 1.0
+    assert train_step(straight, opt_a, comm_a, rank, 11, scale=scale) is None
+    for p, before in zip(straight.parameters(), weights):
+        assert torch.equal(p.detach(), before)  # skipped here too, though rank 0's gradients were finite
+    # another world size: no round in the state, a new one starts from the current weights
+    comm_c = build_communicator(cfg, straight, topo, opt_a)
+    comm_c.load_state_dict({"steps": 3, "since_sync": 2, "round": None})
+    assert comm_c.anchor is None and comm_c.since_sync == 0
+
+
+def gathered_state_of_rank0(topo, model: nn.Module) -> dict[str, torch.Tensor]:
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for v in state.values():
+        topo.world.broadcast_(v, src=0)
+    return state
+
+
+@pytest.mark.dist
+def test_local_with_h_1_and_plain_averaging_is_data_parallel_sgd(tmp_path):
+    """A local kind that kept each rank's momentum, or averaged weights but not the pseudo-gradient's scale,
+    or stepped before the first round's anchor, would not match dense within float tolerance."""
+    run_ranks(_h1_is_data_parallel, 2, tmp_path)
+
+
+@pytest.mark.dist
+def test_a_round_synchronises_by_its_rules(tmp_path):
+    """Fails on a wrong outer step (plain averaging instead of Nesterov, the pseudo-gradient's sign flipped), on
+    BatchNorm statistics or optimizer state left per rank, and on an exchange mid-round."""
+    run_ranks(_a_round_follows_its_rules, 2, tmp_path)
+
+
+@pytest.mark.dist
+def test_a_round_restores_mid_way_and_skips_are_agreed(tmp_path):
+    """Fails if the saved round lacked this rank's own weights or optimizer state (the restored rank 1 would
+    train on rank 0's), the anchor or the outer momentum, or if a rank with finite gradients stepped while
+    another overflowed."""
+    run_ranks(_skips_agree_and_state_restores, 2, tmp_path)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("key, value", [("local_steps", 0), ("outer_lr", 0.0), ("outer_momentum", 1.0)])
+def test_bad_local_settings_are_config_errors_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=f"comm.{key}"):
+        CommConfig(kind="local", **{key: value})
+
+
+@pytest.mark.long
+def test_a_recipe_run_stopped_mid_round_resumes_bitwise(tmp_path, digits_root):
+    """2 ranks of the ResNet recipe with comm.kind local, H = 2, 2 epochs x 3 steps: rounds end at steps 2 and 3
+    (the epoch's end), 5 and 6. A SIGTERM to rank 1 in step 4 checkpoints mid-round; the resumed run ends with
+    the uninterrupted run's weights bit for bit. Fails if a checkpoint kept only rank 0's weights mid-round (rank
+    1 would resume on them), if the round's step count or anchor were lost, or if a round did not end with the
+    epoch (the evaluation would see unequal replicas and the replica guard would stop the run)."""
+    from tests.test_checkpoint import recipe_args, train
+    from trainer.checkpoint import checkpoint_dirs, latest_checkpoint
+    from trainer.preemption import PREEMPTED_EXIT_CODE
+    local = ("comm.kind=local", "comm.local_steps=2", "comm.outer_lr=0.8", "comm.outer_momentum=0.5",
+             "dist.check_every_steps=1")
+    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+    first, stopped = train(tmp_path, 2, [(recipe_args(digits_root, straight, *local), ""),
+                                         (recipe_args(digits_root, preempted, *local), "term:1:4")])
+    assert [r["status"] for r in first] == [0, 0] and [r["status"] for r in stopped] == [PREEMPTED_EXIT_CODE] * 2
+    newest = checkpoint_dirs(preempted)[0]
+    assert newest.name == "step-00000004"
+    state, _ = latest_checkpoint(preempted)
+    rounds = [r["comm"]["round"] for r in state["ranks"]]
+    assert all(r is not None and r["mine"] is not None for r in rounds) and state["ranks"][0]["comm"]["since_sync"] == 1
+    assert not torch.equal(rounds[0]["mine"]["params"][0], rounds[1]["mine"]["params"][0])  # per rank, mid-round
+    resumed = tmp_path / "resumed"
+    shutil.copytree(preempted, resumed)
+    (results,) = train(tmp_path, 2, [(recipe_args(digits_root, resumed, *local, "train.resume=true"), "")])
+    assert [r["status"] for r in results] == [0, 0]
+    a, b = latest_checkpoint(straight)[0], latest_checkpoint(resumed)[0]
+    assert a["trainer"]["step"] == b["trainer"]["step"] == 6
+    different = [k for k, v in a["model"].items() if not torch.equal(v, b["model"][k])]
+    assert not different, different[:5]
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (straight, resumed)]
+    assert summaries[0]["final"]["eval/top1"] == summaries[1]["final"]["eval/top1"]

@@ -1,0 +1,180 @@
+"""`comm.kind: local`: local SGD and DiLoCo. Each rank steps its own copy of the weights with the recipe's optimizer
+on its own gradients for a round of `comm.local_steps` (H) steps; then one synchronisation.
+
+The rules (docs/communicators.md, "local"):
+
+- A round ends every H steps (the loss scaler's skipped steps count) and at every epoch's end, so evaluation,
+  epoch-end checkpoints, export and the replica guard see equal replicas; the guard checks only when a round ends.
+- The synchronisation: the pseudo-gradient (the weights at the round's start, the anchor, minus this rank's
+  weights) is averaged by one allreduce (on a 16-bit wire under `comm.compression`), an outer SGD step
+  (`comm.outer_lr`, Nesterov `comm.outer_momentum`; torch.optim.SGD) moves the anchor, and every rank copies it.
+  The BatchNorm statistics and the optimizer's per-element state (momentum, Adam's moments) are averaged too, in
+  fp32, so a round starts from one state on every rank; H = 1 with outer_lr 1, outer_momentum 0 is data-parallel
+  SGD, with or without momentum.
+- Under a loss scaler the ranks agree on each step's skip (one 1-element allreduce): a rank whose gradients
+  are finite skips with the others, so the scale stays equal on every rank and a checkpoint's scaler is every
+  rank's.
+- The moving average of the weights (train.ema_decay) folds in the synchronised weights once per round.
+- A checkpoint mid-round holds, per rank, the anchor, the outer optimizer's state and this rank's own weights,
+  BatchNorm statistics and optimizer state: a resume on the same ranks restores the round. On another world size
+  that per-rank state is dropped and a new round starts from the checkpoint's weights (rank 0's).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.comm.base import Communicator
+from trainer.comm.config import CommConfig
+from trainer.comm.cost import Collective, Layout, sent_bytes
+from trainer.comm.execute import WIRE_DTYPES
+from trainer.dist import Topology
+
+NO_BYTES = {"bytes_sent": 0.0, "bytes_inter_node": 0.0, "wait_s": 0.0, "select_s": 0.0, "density": 1.0}
+
+
+class LocalSGD(Communicator):
+    """`comm.kind: local` over the model's trainable parameters and floating-point buffers, with `optimizer` as the
+    inner optimizer (its state is averaged at every synchronisation)."""
+
+    periodic = True
+
+    def __init__(self, cfg: CommConfig, model: nn.Module, topo: Topology, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(topo)
+        self.every, self.optimizer = cfg.local_steps, optimizer
+        self.outer_lr, self.outer_momentum = cfg.outer_lr, cfg.outer_momentum
+        self.wire = WIRE_DTYPES[cfg.compression]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.layout = Layout(int(topo.num_nodes), int(topo.ranks_per_node))
+        self.since_sync = 0
+        """Steps of the open round (checkpointed)."""
+        self.anchor: list[torch.Tensor] | None = None
+        """The weights at the round's start: taken at the first step, then moved by each outer step."""
+        self.outer: torch.optim.SGD | None = None
+        self._scaled = False
+
+    # ------------------------------------------------------------ the step
+
+    def set_grad_scale(self, scale: torch.Tensor | None) -> None:
+        self._scaled = scale is not None
+
+    def finish(self) -> dict[str, float]:
+        """Nothing to exchange: the gradients stay this rank's. The first step takes the anchor; under a loss
+        scaler a non-finite gradient on any rank makes every rank's step skip."""
+        if self.anchor is None:
+            self.new_round()
+        self.steps += 1
+        if self._scaled:
+            self.agree_on_skip()
+        return dict(NO_BYTES)
+
+    def agree_on_skip(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        mine = torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum() if grads else torch.zeros(())
+        bad = (~torch.isfinite(mine)).float().reshape(1)
+        if self.topo.world.all_reduce_(bad, "all-reduce of the step's skip flag").item() and grads:
+            grads[0].view(-1)[0] = float("inf")  # the scaler's own check then skips here as on the other ranks
+
+    def end_step(self) -> dict[str, float] | None:
+        """The H-th step of a round synchronises: its stats; None mid-round (the replicas differ)."""
+        self.since_sync += 1
+        return self.sync() if self.since_sync >= self.every else None
+
+    def end_round(self) -> dict[str, float] | None:
+        """The epoch's end: synchronise an open round now; its stats, or None when no round was open."""
+        return self.sync() if self.since_sync > 0 else None
+
+    # ------------------------------------------------------------ the synchronisation
+
+    def new_round(self) -> None:
+        """Anchor at the current weights, a fresh outer optimizer (no momentum yet)."""
+        self.anchor = [p.detach().clone() for p in self.params]
+        self.outer = torch.optim.SGD(self.anchor, lr=self.outer_lr, momentum=self.outer_momentum,
+                                     nesterov=self.outer_momentum > 0)
+        self.since_sync = 0
+
+    def per_element_state(self) -> list[torch.Tensor]:
+        """The inner optimizer's state tensors shaped as their parameter, in parameter order: every rank
+        lists the same ones (the ranks take the same steps: skips are agreed)."""
+        return [value for p in self.params for value in self.optimizer.state.get(p, {}).values()
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == p.shape]
+
+    def sync(self) -> dict[str, float]:
+        """Average the pseudo-gradient, step the anchor, copy it into the weights; average the BatchNorm statistics
+        and the optimizer's per-element state. Stats: bytes this rank sent, seconds taken."""
+        assert self.anchor is not None and self.outer is not None
+        start, world = time.perf_counter(), self.topo.world_size
+        with torch.no_grad():
+            delta = torch._foreach_sub(self.anchor, [p.detach() for p in self.params])
+            flat = torch.cat([d.reshape(-1) for d in delta])
+            wire = flat if self.wire is None else flat.to(self.wire)
+            self.topo.world.all_reduce_(wire, "all-reduce of the pseudo-gradient")
+            averaged = wire.float().div_(world) if self.wire is not None else wire.div_(world)
+            for a, g in zip(self.anchor, averaged.split([a.numel() for a in self.anchor])):
+                a.grad = g.view_as(a)
+            self.outer.step()
+            torch._foreach_copy_([p.detach() for p in self.params], self.anchor)
+            state = self.buffers + self.per_element_state()
+            if state:
+                both = torch.cat([t.detach().float().reshape(-1) for t in state])
+                self.topo.world.all_reduce_(both, "all-reduce of the BatchNorm statistics and optimizer state")
+                both.div_(world)
+                for t, mean in zip(state, both.split([t.numel() for t in state])):
+                    t.copy_(mean.view_as(t))
+        self.since_sync = 0
+        sent, inter = (sum(x) for x in zip(*(sent_bytes(c, self.layout) for c in (
+            Collective("allreduce", wire.numel() * wire.element_size(), "world"),
+            Collective("allreduce", 4 * sum(t.numel() for t in state), "world")))))
+        return {**NO_BYTES, "bytes_sent": sent, "bytes_inter_node": inter, "wait_s": time.perf_counter() - start}
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """`steps`, `since_sync`, and `round` (per rank, host copies): the anchor and the outer momentum, and
+        mid-round this rank's own weights, BatchNorm statistics and optimizer per-element state (its step
+        counters are every rank's, in the checkpoint's optimizer state); None before the first step."""
+        if self.anchor is None or self.outer is None:
+            return {"steps": self.steps, "since_sync": 0, "round": None}
+        momentum = [self.outer.state[a].get("momentum_buffer") for a in self.anchor]
+        mine = None
+        if self.since_sync > 0:
+            mine = {"params": host(self.params), "buffers": host(self.buffers),
+                    "optimizer": host(self.per_element_state())}
+        return {"steps": self.steps, "since_sync": self.since_sync,
+                "round": {"anchor": host(self.anchor),
+                          "outer_momentum": host(momentum) if all(m is not None for m in momentum) else None,
+                          "mine": mine}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s state (after the checkpoint's model and optimizer state are loaded); without a
+        `round` (another world size), a new round starts from the current weights."""
+        self.steps = state["steps"]
+        saved = state.get("round")
+        if saved is None:
+            self.anchor, self.outer, self.since_sync = None, None, 0
+            return
+        self.new_round()
+        assert self.anchor is not None and self.outer is not None
+        with torch.no_grad():
+            for a, kept in zip(self.anchor, saved["anchor"]):
+                a.copy_(kept)
+            for a, kept in zip(self.anchor, saved["outer_momentum"] or []):
+                self.outer.state[a]["momentum_buffer"] = kept.to(a.device, copy=True)
+            mine = saved["mine"]
+            if mine is not None:
+                live = self.params + self.buffers + self.per_element_state()
+                kept = mine["params"] + mine["buffers"] + mine["optimizer"]
+                assert len(live) == len(kept), "the optimizer's state does not match the checkpoint's round"
+                for t, k in zip(live, kept):
+                    t.detach().copy_(k)
+        self.since_sync = state["since_sync"]
+
+
+def host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host-memory copies: later steps cannot change them while a checkpoint is written."""
+    return [t.detach().to("cpu", copy=True) for t in tensors]
