@@ -76,6 +76,10 @@ class Config:
     def __post_init__(self) -> None:
         check_phase_table(self.schedule.phases, self.train.epochs, "the ResNet-50 recipe")
         batch_dtype(self.data.dtype, self.train.amp, gpu=False)  # float16 batches into an fp32 model: an error now
+        require(not (self.comm.kind == "local" and self.train.ema_decay > 0 and self.train.ema_every_steps > 1),
+                f"train.ema_every_steps: must be 1 with comm.kind local (the average folds in the synchronised "
+                f"weights once per round, whose ends do not fall on every {self.train.ema_every_steps}th step), got "
+                f"{self.train.ema_every_steps}")
 
 
 class GlobalAvgPool(nn.Module):

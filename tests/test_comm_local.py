@@ -77,10 +77,15 @@ def _h1_is_data_parallel(rank: int, world: int) -> None:
         assert not torch.allclose(results[0][0], net()[0].weight)
 
 
-def _a_round_follows_its_rules(rank: int, world: int) -> None:
+OPTIMIZERS = {"sgd": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), ("momentum_buffer",)),
+              "adam": (lambda ps: torch.optim.Adam(ps, lr=0.01), ("exp_avg", "exp_avg_sq"))}
+
+
+def _a_round_follows_its_rules(rank: int, world: int, name: str) -> None:
     topo = setup_distributed(DistConfig())
     model = net(batchnorm=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    build, keys = OPTIMIZERS[name]
+    optimizer = build(model.parameters())
     cfg = CommConfig(kind="local", local_steps=3, outer_lr=0.7, outer_momentum=0.9)
     comm = build_communicator(cfg, model, topo, optimizer)
     assert isinstance(comm, LocalSGD)
@@ -96,10 +101,11 @@ def _a_round_follows_its_rules(rank: int, world: int) -> None:
             optimizer.zero_grad(set_to_none=True)
             before = gathered(topo, params)
             stats_before = gathered(topo, buffers)
-            moments = gathered(topo, [optimizer.state[p]["momentum_buffer"] for p in params])
+            moments = gathered(topo, [optimizer.state[p][k] for p in params for k in keys])
             assert not torch.equal(before[0], before[1])  # the ranks drifted apart during the round
             synced = comm.end_step()
-            assert synced is not None and synced["bytes_sent"] > 0
+            n = sum(p.numel() for p in params)  # per step of the round: weights, BN statistics, optimizer state
+            assert synced is not None and synced["bytes_sent"] == pytest.approx(4 * (n + 16 + len(keys) * n) / 3)
             delta = anchor - before.mean(0)  # torch.optim.SGD's Nesterov step on the mean pseudo-gradient
             velocity = 0.9 * velocity + delta
             anchor = anchor - 0.7 * (delta + 0.9 * velocity)
@@ -107,7 +113,8 @@ def _a_round_follows_its_rules(rank: int, world: int) -> None:
             assert torch.equal(after[0], after[1])
             assert torch.allclose(after[rank], anchor, atol=1e-6)
             assert torch.allclose(gathered(topo, buffers)[rank], stats_before.mean(0), atol=1e-6)
-            mine = torch.cat([optimizer.state[p]["momentum_buffer"].reshape(-1) for p in params])
+            mine = torch.cat([optimizer.state[p][k].reshape(-1) for p in params for k in keys])
+            assert not torch.equal(moments[0], moments[1])  # they differed: the average is a real test
             assert torch.allclose(mine, moments.mean(0), atol=1e-6)
         else:
             assert train_step(model, optimizer, comm, rank, step) is None  # mid-round: nothing exchanged
@@ -130,6 +137,9 @@ def _skips_agree_and_state_restores(rank: int, world: int) -> None:
     restored.load_state_dict(gathered_state_of_rank0(topo, straight))
     opt_b = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
     opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # as from a file: no tensor shared with opt_a
+    for state in opt_b.state.values():  # the checkpoint's optimizer state is rank 0's: the round restores its own
+        for t in state.values():
+            topo.world.broadcast_(t, src=0)
     comm_b = build_communicator(cfg, restored, topo, opt_b)
     comm_b.load_state_dict(saved)
     for step in range(6, 11):  # two steps to the synchronisation at step 8, then into the next round
@@ -160,16 +170,20 @@ def gathered_state_of_rank0(topo, model: nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.dist
 def test_local_with_h_1_and_plain_averaging_is_data_parallel_sgd(tmp_path):
-    """A local kind that kept each rank's momentum, or averaged weights but not the pseudo-gradient's scale,
-    or stepped before the first round's anchor, would not match dense within float tolerance."""
+    """A local kind that summed the pseudo-gradients instead of averaging them, flipped their sign, moved the
+    anchor by something other than the averaged pseudo-gradient, or took the anchor after the first step,
+    would not match dense within float tolerance. (Averaging SGD's momentum is linear here, so keeping each
+    rank's would pass this test: the next one checks the state's averaging.)"""
     run_ranks(_h1_is_data_parallel, 2, tmp_path)
 
 
 @pytest.mark.dist
-def test_a_round_synchronises_by_its_rules(tmp_path):
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_round_synchronises_by_its_rules(tmp_path, name):
     """Fails on a wrong outer step (plain averaging instead of Nesterov, the pseudo-gradient's sign flipped), on
-    BatchNorm statistics or optimizer state left per rank, and on an exchange mid-round."""
-    run_ranks(_a_round_follows_its_rules, 2, tmp_path)
+    BatchNorm statistics or optimizer state (SGD's momentum, both of Adam's moments) left per rank, and on an
+    exchange mid-round."""
+    run_ranks(_a_round_follows_its_rules, 2, tmp_path, name)
 
 
 @pytest.mark.dist
@@ -180,11 +194,45 @@ def test_a_round_restores_mid_way_and_skips_are_agreed(tmp_path):
     run_ranks(_skips_agree_and_state_restores, 2, tmp_path)
 
 
+def _a_parameter_without_a_gradient_on_one_rank(rank: int, world: int) -> str:
+    topo = setup_distributed(DistConfig())
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    comm = build_communicator(CommConfig(kind="local", local_steps=1), model, topo, optimizer)
+    x, _ = batch(rank, 0)
+    (model(x).sum() if rank == 0 else model[0](x).sum()).backward()  # rank 1 leaves the last layer out
+    comm.finish()
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="the ranks hold different optimizer state") as raised:
+        comm.end_step()
+    return str(raised.value)
+
+
+@pytest.mark.dist
+def test_ranks_whose_optimizer_state_differs_stop_together_in_words(tmp_path):
+    """Without the check the averaging allreduce gets buffers of different sizes: an error on some ranks and a
+    hang on the others (NCCL), not one message on every rank."""
+    messages = run_ranks(_a_parameter_without_a_gradient_on_one_rank, 2, tmp_path)
+    assert messages[0] == messages[1] and "[[4, 83], [2, 56]]" in messages[0]
+
+
 @pytest.mark.unit
-@pytest.mark.parametrize("key, value", [("local_steps", 0), ("outer_lr", 0.0), ("outer_momentum", 1.0)])
+@pytest.mark.parametrize("key, value", [("local_steps", 0), ("outer_lr", 0.0), ("outer_momentum", 1.0),
+                                        ("compression", "fp16")])
 def test_bad_local_settings_are_config_errors_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=f"comm.{key}"):
         CommConfig(kind="local", **{key: value})
+
+
+@pytest.mark.unit
+def test_a_moving_average_on_a_stride_is_a_config_error_under_local():
+    from recipes.resnet50 import Config
+    from trainer.config import load_config
+    phase = "schedule.phases=[{start_epoch: 0, end_epoch: 1, image_size: 16, batch_size: 8}]"
+    with pytest.raises(ConfigError, match="train.ema_every_steps: must be 1 with comm.kind local"):
+        load_config(Config, None, [phase, "train.epochs=1", "comm.kind=local", "train.ema_decay=0.9",
+                                   "train.ema_every_steps=4"])
+    load_config(Config, None, [phase, "train.epochs=1", "comm.kind=local", "train.ema_decay=0.9"])
 
 
 @pytest.mark.long

@@ -65,9 +65,12 @@ KINDS: dict[str, list[str]] = {
     "auto": ["comm.kind=auto", "comm.compression=fp16"],
 }
 """Each kind the bench trains with -> its config overrides, in the order of a seed's first rate."""
-MULTI_STEP_KINDS: dict[str, list[str]] = {"local": ["comm.kind=local"]}
-"""The multi-step kinds (`local`: local SGD, at comm.local_steps' default, plain averaging; not tuned yet) -> their
-overrides; they run after KINDS, on the same seeds and rates."""
+MULTI_STEP_KINDS: dict[str, list[str]] = {
+    # local SGD at comm.local_steps' default (8), plain averaging; not tuned yet. Its moving average folds once per
+    # round: the recipe's per-step decay 0.95, compounded over the 8 steps of a round
+    "local": ["comm.kind=local", f"train.ema_decay={0.95 ** 8:.4f}"],
+}
+"""The multi-step kinds -> their overrides; they run after KINDS, on the same seeds and rates."""
 PER_STEP_KINDS = ("dense", "dense16", "topk", "hitopk", "powersgd")
 """The kinds that exchange every step with a fixed plan: what auto is compared against."""
 QUICK_KINDS = ("dense", "topk", "powersgd", "auto")  # and MULTI_STEP_KINDS

@@ -96,5 +96,8 @@ class CommConfig:
                 f"comm.selection_iters: must be in [1, 32], got {self.selection_iters}")
         require(self.powersgd_rank >= 1, f"comm.powersgd_rank: must be >= 1, got {self.powersgd_rank}")
         require(self.local_steps >= 1, f"comm.local_steps: must be >= 1, got {self.local_steps}")
+        require(not (self.kind == "local" and self.compression == "fp16"),
+                "comm.compression: fp16 with comm.kind local would flush a pseudo-gradient's small values to zero "
+                "(no loss scale is behind it); use bf16 or none")
         require(self.outer_lr > 0, f"comm.outer_lr: must be > 0, got {self.outer_lr}")
         require(0 <= self.outer_momentum < 1, f"comm.outer_momentum: must be in [0, 1), got {self.outer_momentum}")

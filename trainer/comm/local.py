@@ -11,9 +11,11 @@ The rules (docs/communicators.md, "local"):
   The BatchNorm statistics and the optimizer's per-element state (momentum, Adam's moments) are averaged too, in
   fp32, so a round starts from one state on every rank; H = 1 with outer_lr 1, outer_momentum 0 is data-parallel
   SGD, with or without momentum.
-- Under a loss scaler the ranks agree on each step's skip (one 1-element allreduce): a rank whose gradients
-  are finite skips with the others, so the scale stays equal on every rank and a checkpoint's scaler is every
-  rank's.
+- The ranks agree on every step's non-finite gradients (one 1-element allreduce per step): when any rank's
+  overflow, every rank's gradients are marked so. Under a loss scaler every rank then skips, so the scale stays
+  equal everywhere and a checkpoint's scaler is every rank's; without one, every rank stops at the same step.
+- Every synchronisation first checks that the ranks hold the same optimizer state (a parameter without a
+  gradient on some rank leaves its state missing there) and stops every rank together, naming it, if not.
 - The moving average of the weights (train.ema_decay) folds in the synchronised weights once per round.
 - A checkpoint mid-round holds, per rank, the anchor, the outer optimizer's state and this rank's own weights,
   BatchNorm statistics and optimizer state: a resume on the same ranks restores the round. On another world size
@@ -49,36 +51,37 @@ class LocalSGD(Communicator):
         self.outer_lr, self.outer_momentum = cfg.outer_lr, cfg.outer_momentum
         self.wire = WIRE_DTYPES[cfg.compression]
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.buffers = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                        for b in (m.running_mean, m.running_var) if b is not None]
         self.layout = Layout(int(topo.num_nodes), int(topo.ranks_per_node))
         self.since_sync = 0
         """Steps of the open round (checkpointed)."""
         self.anchor: list[torch.Tensor] | None = None
         """The weights at the round's start: taken at the first step, then moved by each outer step."""
         self.outer: torch.optim.SGD | None = None
-        self._scaled = False
+        self.per_step = {"bytes_sent": 0.0, "bytes_inter_node": 0.0}
+        """The last synchronisation's bytes over its round's steps (what each step's stats report)."""
 
     # ------------------------------------------------------------ the step
 
-    def set_grad_scale(self, scale: torch.Tensor | None) -> None:
-        self._scaled = scale is not None
-
     def finish(self) -> dict[str, float]:
-        """Nothing to exchange: the gradients stay this rank's. The first step takes the anchor; under a loss
-        scaler a non-finite gradient on any rank makes every rank's step skip."""
+        """Nothing to exchange: the gradients stay this rank's. The first step takes the anchor; a non-finite
+        gradient on any rank is marked on every rank."""
         if self.anchor is None:
             self.new_round()
         self.steps += 1
-        if self._scaled:
-            self.agree_on_skip()
-        return dict(NO_BYTES)
+        self.agree_on_nonfinite()
+        return {**NO_BYTES, **self.per_step}
 
-    def agree_on_skip(self) -> None:
+    def agree_on_nonfinite(self) -> None:
+        """One 1-element allreduce: if any rank's gradients hold inf/NaN, put an inf into this rank's too, so that
+        the loss scaler's (or the non-finite check's) own test decides alike on every rank."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        mine = torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum() if grads else torch.zeros(())
+        mine = torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum() if grads else \
+            torch.zeros((), device=self.topo.device)
         bad = (~torch.isfinite(mine)).float().reshape(1)
-        if self.topo.world.all_reduce_(bad, "all-reduce of the step's skip flag").item() and grads:
-            grads[0].view(-1)[0] = float("inf")  # the scaler's own check then skips here as on the other ranks
+        if self.topo.world.all_reduce_(bad, "all-reduce of the step's non-finite flag").item() and grads:
+            grads[0].view(-1)[0] = float("inf")
 
     def end_step(self) -> dict[str, float] | None:
         """The H-th step of a round synchronises: its stats; None mid-round (the replicas differ)."""
@@ -104,6 +107,18 @@ class LocalSGD(Communicator):
         return [value for p in self.params for value in self.optimizer.state.get(p, {}).values()
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == p.shape]
 
+    def check_same_state(self, state: list[torch.Tensor]) -> None:
+        """Stop every rank together, in words, when the ranks' state tensors differ in number or size (the
+        averaging allreduce would fail or hang)."""
+        sizes = torch.tensor([len(state), sum(t.numel() for t in state)], dtype=torch.float64, device=self.topo.device)
+        every = self.topo.world.all_gather(sizes.reshape(1, -1), "all-gather of the optimizer state's sizes")
+        if not torch.equal(every.min(0).values, every.max(0).values):
+            raise RuntimeError(
+                f"comm.kind local: at the synchronisation after step {self.steps} the ranks hold different optimizer "
+                f"state (tensors, elements per rank: {every.long().tolist()}): a parameter got no gradient on some "
+                "rank in this round, so its optimizer state exists on some ranks only. Use a per-step comm.kind, or "
+                "make every parameter take part in every step")
+
     def sync(self) -> dict[str, float]:
         """Average the pseudo-gradient, step the anchor, copy it into the weights; average the BatchNorm statistics
         and the optimizer's per-element state. Stats: bytes this rank sent, seconds taken."""
@@ -115,22 +130,32 @@ class LocalSGD(Communicator):
             wire = flat if self.wire is None else flat.to(self.wire)
             self.topo.world.all_reduce_(wire, "all-reduce of the pseudo-gradient")
             averaged = wire.float().div_(world) if self.wire is not None else wire.div_(world)
+            if not bool(torch.isfinite(averaged).all()):  # the sum of every rank's: all ranks stop together
+                raise FloatingPointError(
+                    f"comm.kind local: the averaged pseudo-gradient at step {self.steps} is not finite (a rank's "
+                    "weights diverged during the round); the newest checkpoint holds finite weights")
             for a, g in zip(self.anchor, averaged.split([a.numel() for a in self.anchor])):
                 a.grad = g.view_as(a)
             self.outer.step()
+            for a in self.anchor:
+                a.grad = None  # a view of the averaged buffer: not kept for a round
             torch._foreach_copy_([p.detach() for p in self.params], self.anchor)
             state = self.buffers + self.per_element_state()
+            self.check_same_state(state)
             if state:
                 both = torch.cat([t.detach().float().reshape(-1) for t in state])
                 self.topo.world.all_reduce_(both, "all-reduce of the BatchNorm statistics and optimizer state")
                 both.div_(world)
                 for t, mean in zip(state, both.split([t.numel() for t in state])):
                     t.copy_(mean.view_as(t))
-        self.since_sync = 0
         sent, inter = (sum(x) for x in zip(*(sent_bytes(c, self.layout) for c in (
             Collective("allreduce", wire.numel() * wire.element_size(), "world"),
             Collective("allreduce", 4 * sum(t.numel() for t in state), "world")))))
-        return {**NO_BYTES, "bytes_sent": sent, "bytes_inter_node": inter, "wait_s": time.perf_counter() - start}
+        # per step of the round, as every step reports it until the next synchronisation: a log step samples
+        # the rate whether or not it synchronised
+        self.per_step = {"bytes_sent": sent / self.since_sync, "bytes_inter_node": inter / self.since_sync}
+        self.since_sync = 0
+        return {**NO_BYTES, **self.per_step, "wait_s": time.perf_counter() - start}
 
     # ------------------------------------------------------------ state
 
