@@ -555,9 +555,17 @@ def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
         return summary(results_dir)
     if name in ("tta_tuning", "tta_ablation"):
         return render_tuning(results_dir, name)
-    if name not in TABLES:
+    quick = name.endswith("_quick")  # a bench's --quick run (BENCH.quick.json), in the bench's own table
+    bench = name.removesuffix("_quick")
+    if bench not in TABLES:
         raise ResultsError(f"results:{name}: no such table (known: summary, tta_tuning, tta_ablation, "
-                           f"{', '.join(TABLES)})")
+                           f"{', '.join(TABLES)}, each also as NAME_quick)")
+    if quick:
+        path = results_dir / f"{bench}.quick.json"
+        if not path.exists():
+            return f"_No quick run yet: `python -m scripts.bench.{bench} --quick` writes `{path.name}`._\n"
+        record = json.loads(path.read_text())
+        return "\n".join([*TABLES[bench](record["result"]), "", provenance(path.stem, record)]) + "\n"
     paths = result_files(results_dir, name)
     if not paths:
         if name in NOT_YET:

@@ -267,3 +267,28 @@ def test_a_recipe_run_stopped_mid_round_resumes_bitwise(tmp_path, digits_root):
     assert not different, different[:5]
     summaries = [json.loads((d / "summary.json").read_text()) for d in (straight, resumed)]
     assert summaries[0]["final"]["eval/top1"] == summaries[1]["final"]["eval/top1"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("optim, per_param, compression", [("lars", 1, "none"), ("adam", 2, "bf16")])
+def test_the_planner_prices_local_as_one_synchronisation_per_round(optim, per_param, compression):
+    """A step of `local` costs its compute plus 1/H of two ring allreduces (the pseudo-gradient on its wire, the
+    averaged state in fp32), with nothing hidden behind backward; it is offered only where the config asks for
+    it. Fails if the round's H is not divided out, the optimizer state is not priced, or bf16 is not halved."""
+    from trainer.comm.cost import Layout, Link, Network
+    from trainer.comm.links import ring_allreduce_s
+    from trainer.comm.planner import ModelSpec, strategies
+    links = {"world": Link(1e-4, 1e8), "world16": Link(1e-4, 1.6e8)}  # a flat ring (gloo); 16-bit a link of its own
+    net = Network(Layout(4, 2), links)
+    n = 25_000_000
+    model = ModelSpec("m", [n // 2, n - n // 2])
+    comm = CommConfig(kind="local", local_steps=8, compression=compression)
+    offered = strategies(comm, [0.01], per_param)
+    local = offered[0]
+    assert local.label == "local H=8" and local.is_configured(comm) and not offered[1].local_steps
+    assert not any(s.local_steps for s in strategies(CommConfig(kind="dense"), [0.01]))
+    step, plan = local.step_s(0.1, 0.2, model, net)
+    wire = 2 if compression == "bf16" else 4
+    expected = (ring_allreduce_s(wire * n, 8, links["world16" if wire == 2 else "world"])
+                + ring_allreduce_s(4 * per_param * n, 8, links["world"])) / 8
+    assert plan == [] and step == pytest.approx(0.3 + expected)

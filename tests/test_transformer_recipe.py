@@ -57,6 +57,26 @@ def _runs(rank: int, world: int, tmp: Path, runs: list[list[str]]) -> None:
         main(["--config", str(CONFIG), *args])
 
 
+@pytest.mark.long
+def test_two_rank_local_run_averages_adams_state_and_closes_its_rounds(corpus, tmp_path):
+    """comm.kind local on the Transformer recipe (Adam): it trains, every round-end check of the replica guard
+    passes (dist.check_every_steps 1: a synchronisation that left the weights unequal stops the run), and the
+    epoch-end checkpoint holds no open round (a round that did not close with the epoch would). The averaging of
+    Adam's moments is tests/test_comm_local.py's."""
+    run = tmp_path / "local"
+    args = [f"data.root={corpus}", *TINY, "train.epochs=2", "comm.kind=local", "comm.local_steps=3",
+            "dist.check_every_steps=1", f"log.dir={run}"]
+    run_ranks(_runs, 2, tmp_path, tmp_path, [args], timeout=240)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["epochs_run"] == 2 and 0 <= summary["test_bleu"] <= 100
+    steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    assert steps[-1]["loss/train"] < steps[0]["loss/train"]
+    state, _ = latest_checkpoint(run)
+    assert all(r["comm"]["round"] is not None and r["comm"]["round"]["mine"] is None for r in state["ranks"])
+    moments = [state["optimizer"]["state"][i]["exp_avg_sq"] for i in sorted(state["optimizer"]["state"])]
+    assert moments and all(torch.isfinite(m).all() for m in moments)
+
+
 def test_two_rank_hitopk_run_logs_bleu_and_resumes_exactly(corpus, tmp_path):
     common = [f"data.root={corpus}", *TINY]
     full, cut = tmp_path / "full", tmp_path / "cut"

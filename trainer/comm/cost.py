@@ -119,6 +119,16 @@ def describe(n: int, choice: Choice, layout: Layout, matrices: Sequence[tuple[in
                      Collective("allgather", 4 * shard, "intra")), select_elements=shard, k=k)
 
 
+def describe_local(n: int, state_elements: int, layout: Layout, wire_bytes: int = 4) -> Exchange:
+    """One synchronisation of `comm.kind: local` (every H steps, nothing in between): the allreduce of the n
+    pseudo-gradient elements on the wire (2 bytes: bf16), then the fp32 allreduce of the `state_elements`
+    averaged with them (BatchNorm statistics, the optimizer's per-element state)."""
+    if layout.world == 1:
+        return Exchange(())
+    return Exchange((Collective("allreduce", wire_bytes * n, "world", wire_bytes),
+                     Collective("allreduce", 4 * state_elements, "world")), cast_elements=n if wire_bytes == 2 else 0)
+
+
 def sent_bytes(c: Collective, layout: Layout) -> tuple[float, float]:
     """Bytes one rank sends in collective `c` (ring algorithms): all links, and its share of the node-crossing
     hops (a ring over all ranks, node-major, crosses nodes on N of its W hops: the average over ranks)."""

@@ -32,7 +32,7 @@ from torch import nn
 
 from trainer.comm.base import Communicator
 from trainer.comm.config import CommConfig
-from trainer.comm.cost import Collective, Layout, sent_bytes
+from trainer.comm.cost import Layout, describe_local, exchange_bytes
 from trainer.comm.execute import WIRE_DTYPES
 from trainer.dist import Topology
 
@@ -148,9 +148,8 @@ class LocalSGD(Communicator):
                 both.div_(world)
                 for t, mean in zip(state, both.split([t.numel() for t in state])):
                     t.copy_(mean.view_as(t))
-        sent, inter = (sum(x) for x in zip(*(sent_bytes(c, self.layout) for c in (
-            Collective("allreduce", wire.numel() * wire.element_size(), "world"),
-            Collective("allreduce", 4 * sum(t.numel() for t in state), "world")))))
+        sent, inter = exchange_bytes(describe_local(wire.numel(), sum(t.numel() for t in state), self.layout,
+                                                    wire.element_size()), self.layout)
         # per step of the round, as every step reports it until the next synchronisation: a log step samples
         # the rate whether or not it synchronised
         self.per_step = {"bytes_sent": sent / self.since_sync, "bytes_inter_node": inter / self.since_sync}

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from trainer.comm.cost import Layout, Link, Network, Selection, candidates, choose, predict, with_inter_rate
+from trainer.comm.cost import (Layout, Link, Network, Selection, candidates, choose, describe_local, predict,
+                               with_inter_rate)
 from trainer.comm.plan import DENSE, Choice, fixed_plan
 
 # ---------------------------------------------------------------- published figures and stated assumptions
@@ -158,10 +159,26 @@ class Strategy:
     dense_below: int = 16384
     densities: tuple[float, ...] = ()
     """auto: the densities it may pick (already bounded by the recipe's min_density)."""
+    local_steps: int = 0
+    """local (`choice` None): H, the steps between synchronisations; 0 = not local."""
+    state_per_param: int = 1
+    """local: optimizer state elements averaged per parameter at a synchronisation (SGD/LARS 1, Adam 2)."""
+    wire_bytes: int = 4
+    """local: bytes per pseudo-gradient element on the wire (2: bf16)."""
 
     @property
     def label(self) -> str:
-        return self.choice.label if self.choice is not None else "auto"
+        return self.choice.label if self.choice is not None else f"local H={self.local_steps}" \
+            if self.local_steps else "auto"
+
+    def step_s(self, forward_s: float, backward_s: float, model: ModelSpec, net: Network) -> tuple[float, list[Choice]]:
+        """One step's seconds and each bucket's choice (local: none; its synchronisation, which nothing hides, is
+        spread over the H steps of a round)."""
+        if self.local_steps:
+            sync = describe_local(model.params, self.state_per_param * model.params, net.layout, self.wire_bytes)
+            return forward_s + backward_s + net.network_s(sync) / self.local_steps, []
+        plan = self.plan(model, backward_s, net)
+        return step_seconds(forward_s, backward_s, model, plan, net), plan
 
     def plan(self, model: ModelSpec, backward_s: float, net: Network) -> list[Choice]:
         """Each bucket's choice when backward takes `backward_s`."""
@@ -173,20 +190,27 @@ class Strategy:
 
     def is_configured(self, comm: Any) -> bool:
         """Whether this is what the `comm` section itself asks for."""
+        if comm.kind == "local" or self.local_steps:
+            return comm.kind == "local" and self.local_steps == comm.local_steps
         if comm.kind == "auto" or self.choice is None:
             return comm.kind == "auto" and self.choice is None
         return self.choice.kind == comm.kind and (self.choice.kind == "dense" or self.choice.density == comm.density)
 
 
-def strategies(comm: Any, densities: Sequence[float]) -> list[Strategy]:
+def strategies(comm: Any, densities: Sequence[float], state_per_param: int = 1) -> list[Strategy]:
     """dense, dense16, topk and hitopk at each of `densities` and comm.densities the recipe allows (>=
-    comm.min_density), and auto (over comm.densities, as in a run)."""
+    comm.min_density), auto (over comm.densities, as in a run), last; and first, when the config asks for
+    comm.kind local, local at its comm.local_steps (it changes convergence: the planner offers it only where the
+    config declares it, and assumes the recipe's epochs hold)."""
     safe = tuple(sorted(d for d in {*densities, *comm.densities} if d >= comm.min_density))
     if not safe:
         raise PlanError(f"--densities and comm.densities: none is >= the recipe's comm.min_density {comm.min_density:g} (the density "
                         "it declares safe for convergence)")
     out = [Strategy(DENSE, comm.dense_below), Strategy(Choice("dense16"), comm.dense_below)]
     out += [Strategy(Choice(kind, d), comm.dense_below) for kind in ("topk", "hitopk") for d in safe]
+    if comm.kind == "local":
+        out.insert(0, Strategy(None, comm.dense_below, local_steps=comm.local_steps, state_per_param=state_per_param,
+                               wire_bytes=2 if comm.compression == "bf16" else 4))
     return out + [Strategy(None, comm.dense_below, tuple(d for d in comm.densities if d >= comm.min_density))]
 
 
@@ -252,12 +276,11 @@ def predict_run(phases: list[PhasePlan], model: ModelSpec, strategy: Strategy, n
     train_s, eval_s, step_s, plans, epoch = 0.0, 0.0, [], [], 0
     for ph in phases:
         fwd, bwd = ph.compute_s * (1 - BACKWARD_SHARE), ph.compute_s * BACKWARD_SHARE
-        plan = strategy.plan(model, bwd, net)
-        t = step_seconds(fwd, bwd, model, plan, net)
+        t, plan = strategy.step_s(fwd, bwd, model, net)
         step_s.append(t)
         plans.append(plan)
         steps = ph.epochs * ph.steps_per_epoch
-        warm = min(steps, max(0, warmup_steps))
+        warm = 0 if strategy.local_steps else min(steps, max(0, warmup_steps))  # local has no dense warm-up
         warmup_steps -= warm
         train_s += (steps - warm) * t + warm * step_seconds(fwd, bwd, model, [DENSE] * len(model.buckets), net)
         for _ in range(ph.epochs):
@@ -291,8 +314,8 @@ def step_plans(strategies_: Sequence[Strategy], model: ModelSpec, compute_s: flo
     fwd, bwd = compute_s * (1 - BACKWARD_SHARE), compute_s * BACKWARD_SHARE
     out = []
     for s in strategies_:
-        plan = s.plan(model, bwd, net)
-        out.append((s, step_seconds(fwd, bwd, model, plan, net), plan))
+        t, plan = s.step_s(fwd, bwd, model, net)
+        out.append((s, t, plan))
     return out
 
 
