@@ -120,6 +120,22 @@ def _a_round_follows_its_rules(rank: int, world: int, name: str) -> None:
             assert train_step(model, optimizer, comm, rank, step) is None  # mid-round: nothing exchanged
 
 
+def _warm_up_then_rounds(rank: int, world: int) -> list[bool]:
+    topo = setup_distributed(DistConfig())
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    comm = build_communicator(CommConfig(kind="local", local_steps=3, dense_warmup_steps=2), model, topo, optimizer)
+    return [train_step(model, optimizer, comm, rank, step) is not None for step in range(8)]
+
+
+@pytest.mark.dist
+def test_the_dense_warm_up_synchronises_every_step_then_rounds_of_h(tmp_path):
+    """comm.dense_warmup_steps 2, H 3: steps 1 and 2 synchronise, then steps 5 and 8 end rounds (a local kind
+    that ignored the warm-up, or counted it into the first round, fails)."""
+    synced = run_ranks(_warm_up_then_rounds, 2, tmp_path)
+    assert synced[0] == synced[1] == [True, True, False, False, True, False, False, True]
+
+
 def _skips_agree_and_state_restores(rank: int, world: int) -> None:
     topo = setup_distributed(DistConfig())
     cfg = CommConfig(kind="local", local_steps=4, outer_lr=0.8, outer_momentum=0.5)
@@ -291,4 +307,5 @@ def test_the_planner_prices_local_as_one_synchronisation_per_round(optim, per_pa
     wire = 2 if compression == "bf16" else 4
     expected = (ring_allreduce_s(wire * n, 8, links["world16" if wire == 2 else "world"])
                 + ring_allreduce_s(4 * per_param * n, 8, links["world"])) / 8
-    assert plan == [] and step == pytest.approx(0.3 + expected)
+    flag = ring_allreduce_s(4, 8, links["world"])  # every step's non-finite flag
+    assert plan == [] and step == pytest.approx(0.3 + flag + expected)

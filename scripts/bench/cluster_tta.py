@@ -14,7 +14,8 @@ from rate to rate and seed to seed, so that a drift in the machine's load falls 
 
 Per run, and per (rate, kind) as medians over seeds with their range:
 - the wall seconds from the launch of the run (scripts/netem/run.sh started: process start-up, rendezvous, the
-  measured choices, auto's calibration and trials, the cache fill) to each target, at TARGET_CONSECUTIVE
+  measured choices (every run measures its own: no choices cache), auto's calibration and trials, the cache
+  fill) to each target, at TARGET_CONSECUTIVE
   evaluations in a row (trainer/tta_stats.py's reading, as scripts/bench/tta.py reads it), and the epochs to it;
   a kind that misses a target on a seed counts as infinitely slow there, so its median is a miss when it misses on
   half the seeds or more, and a miss is never another kind's win;
@@ -317,8 +318,10 @@ def launch(seed: int, rate: str, kind: str, overrides: Sequence[str], out: Path,
     before = interface_bytes(NETEM_ENV["NETEM_PREFIX"], NODES)
     with tempfile.TemporaryDirectory(prefix="cluster-tta-cache-") as disk, \
             tempfile.TemporaryDirectory(prefix="cluster-tta-l2-", dir=tta.RAM_DIR) as ram:
+        # no measured-choices cache: every run measures its own at start-up, as on a fresh cluster (a run that
+        # found the machine's cache filled by an earlier one would skip what the earlier one paid for)
         args = tta.recipe_args(tta.RECIPE_CONFIG, run_dir, Path(disk), Path(ram), seed,
-                               [f"dist.ranks_per_node={RANKS_PER_NODE}", *overrides])
+                               [f"dist.ranks_per_node={RANKS_PER_NODE}", "train.choices_cache=none", *overrides])
         cmd = [str(common.REPO / "scripts" / "netem" / "run.sh"), "--nproc-per-node", str(RANKS_PER_NODE),
                "--port", str(PORT), "--threads", "1", *args]
         launched = time.time()

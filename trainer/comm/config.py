@@ -33,7 +33,8 @@ class CommConfig:
     dense_below: int = 16384
     """topk/hitopk/powersgd: buckets with fewer elements go through a dense allreduce."""
     dense_warmup_steps: int = 0
-    """topk/hitopk/powersgd: the first steps use a dense allreduce for every bucket (stable start)."""
+    """topk/hitopk/powersgd: the first steps use a dense allreduce for every bucket (stable start); local: the
+    first steps synchronise every step."""
     densities: list[float] = field(default_factory=lambda: [0.01, 0.003, 0.001])
     """auto: the densities it may choose from (those below min_density are left out)."""
     min_density: float = 0.01

@@ -3,7 +3,8 @@ on its own gradients for a round of `comm.local_steps` (H) steps; then one synch
 
 The rules (docs/communicators.md, "local"):
 
-- A round ends every H steps (the loss scaler's skipped steps count) and at every epoch's end, so evaluation,
+- A round ends every H steps (the loss scaler's skipped steps count; every step during the first
+  `comm.dense_warmup_steps`) and at every epoch's end, so evaluation,
   epoch-end checkpoints, export and the replica guard see equal replicas; the guard checks only when a round ends.
 - The synchronisation: the pseudo-gradient (the weights at the round's start, the anchor, minus this rank's
   weights) is averaged by one allreduce (on a 16-bit wire under `comm.compression`), an outer SGD step
@@ -47,7 +48,7 @@ class LocalSGD(Communicator):
 
     def __init__(self, cfg: CommConfig, model: nn.Module, topo: Topology, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(topo)
-        self.every, self.optimizer = cfg.local_steps, optimizer
+        self.every, self.optimizer, self.warmup = cfg.local_steps, optimizer, cfg.dense_warmup_steps
         self.outer_lr, self.outer_momentum = cfg.outer_lr, cfg.outer_momentum
         self.wire = WIRE_DTYPES[cfg.compression]
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -84,9 +85,10 @@ class LocalSGD(Communicator):
             grads[0].view(-1)[0] = float("inf")
 
     def end_step(self) -> dict[str, float] | None:
-        """The H-th step of a round synchronises: its stats; None mid-round (the replicas differ)."""
+        """The H-th step of a round synchronises (every step of the first comm.dense_warmup_steps: a stable
+        start): its stats; None mid-round (the replicas differ)."""
         self.since_sync += 1
-        return self.sync() if self.since_sync >= self.every else None
+        return self.sync() if self.since_sync >= (1 if self.steps <= self.warmup else self.every) else None
 
     def end_round(self) -> dict[str, float] | None:
         """The epoch's end: synchronise an open round now; its stats, or None when no round was open."""

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from trainer.comm.cost import (Layout, Link, Network, Selection, candidates, choose, describe_local, predict,
-                               with_inter_rate)
+from trainer.comm.cost import (Collective, Layout, Link, Network, Selection, candidates, choose, describe_local,
+                               predict, with_inter_rate)
 from trainer.comm.plan import DENSE, Choice, fixed_plan
 
 # ---------------------------------------------------------------- published figures and stated assumptions
@@ -173,10 +173,12 @@ class Strategy:
 
     def step_s(self, forward_s: float, backward_s: float, model: ModelSpec, net: Network) -> tuple[float, list[Choice]]:
         """One step's seconds and each bucket's choice (local: none; its synchronisation, which nothing hides, is
-        spread over the H steps of a round)."""
+        spread over the H steps of a round, plus every step's 1-element allreduce of the non-finite flag; the
+        rounds an epoch's end cuts short are not counted: at most one more synchronisation per epoch)."""
         if self.local_steps:
             sync = describe_local(model.params, self.state_per_param * model.params, net.layout, self.wire_bytes)
-            return forward_s + backward_s + net.network_s(sync) / self.local_steps, []
+            flag = net.collective_s(Collective("allreduce", 4, "world"))
+            return forward_s + backward_s + flag + net.network_s(sync) / self.local_steps, []
         plan = self.plan(model, backward_s, net)
         return step_seconds(forward_s, backward_s, model, plan, net), plan
 
@@ -280,9 +282,12 @@ def predict_run(phases: list[PhasePlan], model: ModelSpec, strategy: Strategy, n
         step_s.append(t)
         plans.append(plan)
         steps = ph.epochs * ph.steps_per_epoch
-        warm = 0 if strategy.local_steps else min(steps, max(0, warmup_steps))  # local has no dense warm-up
+        warm = min(steps, max(0, warmup_steps))
         warmup_steps -= warm
-        train_s += (steps - warm) * t + warm * step_seconds(fwd, bwd, model, [DENSE] * len(model.buckets), net)
+        # the warm-up steps: dense, or local synchronising every step
+        warm_s = replace(strategy, local_steps=1).step_s(fwd, bwd, model, net)[0] if strategy.local_steps else \
+            step_seconds(fwd, bwd, model, [DENSE] * len(model.buckets), net)
+        train_s += (steps - warm) * t + warm * warm_s
         for _ in range(ph.epochs):
             epoch += 1
             if epoch % eval_every == 0:  # forward only: a third of a training step's work per image
