@@ -265,8 +265,8 @@ def install_conservation_check(out: Path) -> None:
     """Make the recipe's communicator run `check_conservation` (writing to `out`)."""
     build = trainer.run.build_communicator
 
-    def build_and_check(cfg: CommConfig, model: nn.Module, topo: Topology) -> Communicator:
-        comm = build(cfg, model, topo)
+    def build_and_check(cfg: CommConfig, model: nn.Module, topo: Topology, *rest: Any) -> Communicator:
+        comm = build(cfg, model, topo, *rest)
         check_conservation(comm, topo, out)
         return comm
 
