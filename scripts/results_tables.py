@@ -560,13 +560,10 @@ def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
     if bench not in TABLES:
         raise ResultsError(f"results:{name}: no such table (known: summary, tta_tuning, tta_ablation, "
                            f"{', '.join(TABLES)}, each also as NAME_quick)")
-    if quick:
-        path = results_dir / f"{bench}.quick.json"
-        if not path.exists():
-            return f"_No quick run yet: `python -m scripts.bench.{bench} --quick` writes `{path.name}`._\n"
-        record = json.loads(path.read_text())
-        return "\n".join([*TABLES[bench](record["result"]), "", provenance(path.stem, record)]) + "\n"
-    paths = result_files(results_dir, name)
+    quick_file = results_dir / f"{bench}.quick.json"
+    paths = ([quick_file] if quick_file.exists() else []) if quick else result_files(results_dir, name)
+    if not paths and quick:
+        return f"_No quick run yet: `python -m scripts.bench.{bench} --quick` writes `{bench}.quick.json`._\n"
     if not paths:
         if name in NOT_YET:
             return NOT_YET[name]
@@ -575,7 +572,7 @@ def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
     for path in paths:
         record = json.loads(path.read_text())
         head = [f"**{machine(record)}**", ""] if name in PER_MACHINE else []
-        blocks.append("\n".join([*head, *TABLES[name](record["result"]), "", provenance(path.stem, record)]))
+        blocks.append("\n".join([*head, *TABLES[bench](record["result"]), "", provenance(path.stem, record)]))
     return "\n\n".join(blocks) + "\n"
 
 

@@ -49,6 +49,10 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
     return buckets
 
 
+NO_BYTES = {"bytes_sent": 0.0, "bytes_inter_node": 0.0, "wait_s": 0.0, "select_s": 0.0, "density": 1.0}
+"""The stats of a step that exchanged nothing."""
+
+
 class Communicator:
     """Averages gradients over ranks: what the train loop calls.
 
@@ -125,7 +129,7 @@ class LocalCommunicator(Communicator):
 
     def finish(self) -> dict[str, float]:
         self.steps += 1
-        return {"bytes_sent": 0.0, "bytes_inter_node": 0.0, "wait_s": 0.0, "select_s": 0.0, "density": 1.0}
+        return dict(NO_BYTES)
 
 
 def bind_thread_to_device(device: torch.device) -> None:

@@ -31,18 +31,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.comm.base import Communicator
+from trainer.comm.base import NO_BYTES, Communicator
 from trainer.comm.config import CommConfig
-from trainer.comm.cost import Layout, describe_local, exchange_bytes
+from trainer.comm.cost import describe_local, exchange_bytes, layout_of
 from trainer.comm.execute import WIRE_DTYPES
 from trainer.dist import Topology
 
-NO_BYTES = {"bytes_sent": 0.0, "bytes_inter_node": 0.0, "wait_s": 0.0, "select_s": 0.0, "density": 1.0}
-
-
 class LocalSGD(Communicator):
-    """`comm.kind: local` over the model's trainable parameters and floating-point buffers, with `optimizer` as the
-    inner optimizer (its state is averaged at every synchronisation)."""
+    """`comm.kind: local` over the model's trainable parameters and BatchNorm running statistics, with `optimizer`
+    as the inner optimizer (its per-element state is averaged at every synchronisation)."""
 
     periodic = True
 
@@ -54,7 +51,7 @@ class LocalSGD(Communicator):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
                         for b in (m.running_mean, m.running_var) if b is not None]
-        self.layout = Layout(int(topo.num_nodes), int(topo.ranks_per_node))
+        self.layout = layout_of(topo)
         self.since_sync = 0
         """Steps of the open round (checkpointed)."""
         self.anchor: list[torch.Tensor] | None = None
@@ -131,7 +128,7 @@ class LocalSGD(Communicator):
             flat = torch.cat([d.reshape(-1) for d in delta])
             wire = flat if self.wire is None else flat.to(self.wire)
             self.topo.world.all_reduce_(wire, "all-reduce of the pseudo-gradient")
-            averaged = wire.float().div_(world) if self.wire is not None else wire.div_(world)
+            averaged = wire.float().div_(world)  # fp32 already without a 16-bit wire: no copy
             if not bool(torch.isfinite(averaged).all()):  # the sum of every rank's: all ranks stop together
                 raise FloatingPointError(
                     f"comm.kind local: the averaged pseudo-gradient at step {self.steps} is not finite (a rank's "
@@ -139,8 +136,7 @@ class LocalSGD(Communicator):
             for a, g in zip(self.anchor, averaged.split([a.numel() for a in self.anchor])):
                 a.grad = g.view_as(a)
             self.outer.step()
-            for a in self.anchor:
-                a.grad = None  # a view of the averaged buffer: not kept for a round
+            self.outer.zero_grad(set_to_none=True)  # views of the averaged buffer: not kept for a round
             torch._foreach_copy_([p.detach() for p in self.params], self.anchor)
             state = self.buffers + self.per_element_state()
             self.check_same_state(state)
