@@ -451,6 +451,35 @@ def cluster_which_kind(r: dict[str, Any]) -> list[str]:
             *table(["links", "model", "kind", "median s"], rows)]
 
 
+def links(r: dict[str, Any]) -> list[str]:
+    """Per rate: plain TCP between the emulated nodes, then each node-crossing link auto fits, against it."""
+    def mb(x: float) -> str:
+        return f"{x / 1e6:.1f}"
+
+    def fit(c: dict[str, Any], which: str) -> str:
+        f = c.get(which)
+        return "-" if f is None else f"{mb(f['bytes_per_s'])} ({times(f['ratio'])}{'' if f['within'] else ', off'})"
+
+    rates = r["per_rate"]
+    sizes = [f"{num(int(n) / 2**20) + ' MB' if int(n) >= 2**20 else num(int(n) / 2**10) + ' KB'} alone / back to back"
+             for n in next(iter(rates.values()))["tcp"]["messages"]]
+    tcp = [[rate, *(mb(v["tcp"][k]) for k in ("one_way_bytes_per_s", "duplex_up_bytes_per_s", "duplex_down_bytes_per_s",
+                                              "two_flows_bytes_per_s")),
+            *(f"{mb(m['alone_bytes_per_s'])} / {mb(m['back_to_back_bytes_per_s'])}"
+              for m in v["tcp"]["messages"].values()),
+            f"{v['tcp']['ping_rtt_s'] * 1e6:.0f}"] for rate, v in rates.items()]
+    rows = [[rate, c["link"], mb(v["tcp"]["one_way_bytes_per_s"]), fit(c, "auto"),
+             "{:.2f}-{:.2f}".format(*c["auto_repeat_ratio_range"]), fit(c, "large"), fit(c, "all")]
+            for rate, v in rates.items() for c in v["links"]]
+    scales = " and ".join(f"x{s}" for s in r.get("scales", ()))
+    return ["Plain TCP between the 2 emulated nodes, MB/s (RTT in us):", "",
+            *table(["links", "one way", "duplex up", "duplex down", "two flows one way", *sizes, "RTT"], tcp), "",
+            f"Each link auto fits (trainer.comm.cost.build_network) on {r['layout']} gloo ranks, MB/s and its ratio to "
+            f"plain TCP one way ('off': by more than {r['tolerance']:.0%}); auto's probe sizes: the median fit of "
+            f"repeats and the range of their ratios; larger sizes: the same probes at {scales} their smaller size:", "",
+            *table(["links", "link", "TCP", "auto's sizes", "range", "larger sizes", "all points"], rows)]
+
+
 SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "tta": ("time to accuracy, recipe / torchvision-reference baseline (each tuned on tuning seeds), fresh seeds, "
             "median paired ratio",
@@ -501,6 +530,11 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
                     lambda r: ("-" if r["ratio"] is None else f"{r['ratio']:.3f}") + "; which kind: "
                               + ", ".join(f"{rate} {w['kind'] or 'none'}" for rate, w in r["which_kind"].items())
                               + ("" if r["complete"] else f" ({r['runs_done']} of {r['runs_planned']} runs)")),
+    "links": ("emulated cluster: the node-crossing links auto fits at start-up / plain TCP between the nodes",
+              lambda r: (lambda auto: f"{sum(abs(x - 1) <= r['tolerance'] for x in auto.values())} of {len(auto)} "
+                         f"within {100 * r['tolerance']:g}%; " + ", ".join(f"{k} {x:.2f}" for k, x in auto.items()))(
+                  {f"{rate} {c['link']}": c["auto"]["ratio"]
+                   for rate, v in r["per_rate"].items() for c in v["links"]})),
     "scaling": ("emulated cluster (network namespaces, shaped links): comm.kind auto's step / the best fixed "
                 "exchange's, worst cell",
                 lambda r: f"{max(c['auto_vs_best'] for c in r['cells']):.3f} over {len(r['cells'])} cells; / dense, "
@@ -510,7 +544,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "topk": topk, "input_pipeline": input_pipeline, "data_wait": data_wait, "comm": comm, "optim": optim,
     "small_conv": small_conv, "replica_guard": replica_guard, "transformer": transformer, "tta": tta,
     "scaling": scaling, "choices": choices, "choices_screen": choices_screen, "quickstart": quickstart,
-    "cluster_tta": cluster_tta}
+    "cluster_tta": cluster_tta, "links": links}
 NOT_YET = {"cluster_tta": "_No result file yet, so no table: `sudo .venv/bin/python -m scripts.bench.cluster_tta` "
                           "(root; many hours, resumable with `--resume OUT`) writes `docs/results/cluster_tta.json` "
                           "once every planned run has finished._\n"}
@@ -555,10 +589,17 @@ def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
         return summary(results_dir)
     if name in ("tta_tuning", "tta_ablation"):
         return render_tuning(results_dir, name)
+    if name == "cluster_tta_tuning":
+        path = results_dir / "cluster_tta_tuning.json"
+        if not path.exists():
+            return ("_No tuning run yet: `python -m scripts.bench.cluster_tta --tune KIND` writes "
+                    "`docs/results/cluster_tta_tuning.json`._\n")
+        return "\n".join(cluster_tta_tuning(json.loads(path.read_text()))) + "\n"
     quick = name.endswith("_quick")  # a bench's --quick run (BENCH.quick.json), in the bench's own table
     bench = name.removesuffix("_quick")
     if bench not in TABLES:
         raise ResultsError(f"results:{name}: no such table (known: summary, tta_tuning, tta_ablation, "
+                           "cluster_tta_tuning, "
                            f"{', '.join(TABLES)}, each also as NAME_quick)")
     quick_file = results_dir / f"{bench}.quick.json"
     paths = ([quick_file] if quick_file.exists() else []) if quick else result_files(results_dir, name)
@@ -574,6 +615,31 @@ def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
         head = [f"**{machine(record)}**", ""] if name in PER_MACHINE else []
         blocks.append("\n".join([*head, *TABLES[bench](record["result"]), "", provenance(path.stem, record)]))
     return "\n\n".join(blocks) + "\n"
+
+
+def cluster_tta_tuning(runs: list[dict[str, Any]]) -> list[str]:
+    """Every tuning run of a cluster_tta kind's settings (every override it ran with: the kind's own at the time
+    and the run's --set): its times from the launch to each target, its accuracy and bytes, and how many runs each
+    kind had."""
+    targets = list(runs[0]["time_to_s"]) if runs else []
+    rows = [[r.get("cpu", "?"), r["date"][:16].replace("T", " "),
+             f"`{r['commit'][:7]}{'+dirty' if r['commit'].endswith('+dirty') else ''}`", r["kind"],
+             "<br>".join(override_text(o) for o in r["overrides"] if not o.startswith("comm.kind=")) or "none",
+             r["rate"], r["seed"],
+             *["missed" if r["time_to_s"].get(t) is None else f"{r['time_to_s'][t]:.0f}" for t in targets],
+             f"{100 * r['final_top1']:.1f}%", f"{r['comm_bytes_per_node']['bytes_inter_node'] / 1e6:,.0f}",
+             f"{r['load_before']:.1f} → {r['load_after']:.1f}"] for r in runs]
+    counts: dict[tuple[str, str], int] = {}
+    for r in runs:
+        counts[(r.get("cpu", "?"), r["kind"])] = counts.get((r.get("cpu", "?"), r["kind"]), 0) + 1
+    return [*table(["machine", "finished (UTC)", "commit", "kind", "settings", "links", "seed",
+                    *[f"s to {100 * float(t):g}%" for t in targets], "final top-1", "inter-node MB/node",
+                    "load (1 min)"], rows), "",
+            "From [`docs/results/cluster_tta_tuning.json`](results/cluster_tta_tuning.json), appended by `python -m "
+            "scripts.bench.cluster_tta --tune KIND --set KEY=VALUE`: "
+            + "; ".join(f"{cpu}, {kind}: {n} runs" for (cpu, kind), n in sorted(counts.items()))
+            + ". Seconds from the launch (start-up included), on tuning seeds only; a +dirty commit ran with changes "
+            "not yet committed (the next commit holds them)."]
 
 
 def render_tuning(results_dir: Path, name: str = "tta_tuning") -> str:

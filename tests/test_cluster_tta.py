@@ -120,7 +120,8 @@ def test_kinds_interleave_within_a_seed_and_rotate():
 
 
 def test_resume_reuses_finished_records_and_refuses_other_settings(tmp_path):
-    """Catches rerunning finished runs on --resume, or reusing a run read with another target rule."""
+    """Catches rerunning finished runs on --resume, or reusing a run read with another target rule or on another
+    machine."""
     settings = {"config": "c.yaml", "target_consecutive": 2, "nodes": 2, "ranks_per_node": 2}
     (tmp_path / "records").mkdir()
     done = {**record("1gbit", "dense", 100, 300.0), **settings}
@@ -131,6 +132,21 @@ def test_resume_reuses_finished_records_and_refuses_other_settings(tmp_path):
     assert [p for p in plan if p not in records] == [(100, "1gbit", "topk")]
     with pytest.raises(ValueError, match="target_consecutive: 2, now 3"):
         cluster_tta.load_records(tmp_path, {**settings, "target_consecutive": 3})
+    # a session on another machine may not add to these runs, and no report mixes machines' runs
+    (tmp_path / "records" / "1gbit_dense_seed100.json").write_text(json.dumps({**done, "cpu": "AMD EPYC"}))
+    with pytest.raises(ValueError, match="cpu: 'AMD EPYC', now 'Intel Xeon'"):
+        cluster_tta.load_records(tmp_path, {**settings, "cpu": "Intel Xeon"})
+    other = {**record("1gbit", "topk", 100, 300.0), **settings, "cpu": "Intel Xeon"}
+    (tmp_path / "records" / "1gbit_topk_seed100.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="several machines"):
+        cluster_tta.load_records(tmp_path, settings)
+    # a kind whose settings were frozen anew since the run: its record is not reused
+    (tmp_path / "records" / "1gbit_topk_seed100.json").unlink()
+    dense = {**done, "overrides": ["comm.kind=dense"]}
+    (tmp_path / "records" / "1gbit_dense_seed100.json").write_text(json.dumps(dense))
+    assert cluster_tta.load_records(tmp_path, settings, {"dense": ["comm.kind=dense"]})
+    with pytest.raises(ValueError, match="overrides"):
+        cluster_tta.load_records(tmp_path, settings, {"dense": ["comm.kind=dense", "comm.bucket_mb=5"]})
 
 
 def test_the_estimate_uses_finished_runs_of_the_cell_then_the_rate_then_the_prior():
@@ -181,3 +197,53 @@ def test_no_results_file_renders_a_note_and_a_file_renders_the_table(tmp_path):
     text = results_tables.render("cluster_tta", tmp_path)
     assert "docs/results/cluster_tta.json" in text and "Which kind when" in text
     assert not math.isnan(result()["ratio"])
+
+
+def test_tuning_runs_tuning_seeds_with_the_kinds_overrides_and_appends_each_run(monkeypatch, tmp_path):
+    """Catches a tuning run on a fresh seed, --set lost or placed before the kind's own overrides, and a history
+    that is overwritten instead of appended to."""
+    monkeypatch.setattr(common, "record_run", lambda args: None)
+    monkeypatch.setattr(cluster_tta, "prepare_to_train", lambda: None)
+    ran = []
+
+    def fake_run_all(pending, kinds, out, targets, consecutive, finished):
+        for seed, rate, kind in pending:
+            ran.append((seed, rate, kind, kinds[kind]))
+            finished.append({**record(rate, kind, seed, 300.0), "finished": "2026-12-04T00:00:00Z",
+                             "run_dir": str(out / kind)})
+
+    monkeypatch.setattr(cluster_tta, "run_all", fake_run_all)
+    history = tmp_path / "tuning.json"
+    history.write_text(json.dumps([{"earlier": True}]))
+    monkeypatch.setattr(cluster_tta, "TUNING_FILE", history)
+    cluster_tta.main(["--tune", "local", "--set", "comm.local_steps=4", "--tuning-seeds", "0", "1",
+                      "--out", str(tmp_path / "out")])
+    assert [(s, r, k) for s, r, k, _ in ran] == [(0, "1gbit", "local"), (1, "1gbit", "local")]
+    assert ran[0][3] == [*cluster_tta.MULTI_STEP_KINDS["local"], "comm.local_steps=4"]
+    saved = json.loads(history.read_text())
+    assert saved[0] == {"earlier": True} and [e["seed"] for e in saved[1:]] == [0, 1]
+    assert all(e["set"] == ["comm.local_steps=4"] and e["purpose"] == "tuning" and "run_dir" not in e
+               for e in saved[1:])
+    with pytest.raises(SystemExit):
+        cluster_tta.parse(["--tune", "local", "--tuning-seeds", str(cluster_tta.FIRST_SEED)])
+    with pytest.raises(SystemExit):
+        cluster_tta.parse(["--set", "comm.local_steps=4"])
+
+
+def test_the_tuning_table_lists_every_run_with_its_settings_misses_and_counts(tmp_path):
+    """Catches a tuning table that hides a miss, drops a run's settings, or miscounts a kind's runs."""
+    runs = [{**record("1gbit", "powersgd", 0, None), "set": ["comm.powersgd_rank=4"], "cpu": "AMD EPYC",
+             "overrides": ["comm.kind=powersgd", "comm.powersgd_rank=4"], "date": "2026-12-04T15:00:00Z",
+             "commit": "abcdef0123"},
+            {**record("1gbit", "local", 0, 250.0), "set": [], "overrides": ["comm.kind=local"], "cpu": "AMD EPYC",
+             "date": "2026-12-04T15:10:00Z", "commit": "abcdef0123"},
+            {**record("1gbit", "local", 1, 260.0), "set": ["comm.local_steps=4"], "cpu": "AMD EPYC",
+             "overrides": ["comm.kind=local", "train.ema_decay=0.66", "comm.local_steps=4"],
+             "date": "2026-12-04T15:20:00Z", "commit": "abcdef0123+dirty"}]
+    (tmp_path / "cluster_tta_tuning.json").write_text(json.dumps(runs))
+    text = results_tables.render("cluster_tta_tuning", tmp_path)
+    rows = [line for line in text.splitlines() if line.startswith("| AMD EPYC")]
+    assert len(rows) == 3 and "| missed |" in rows[0] and "`comm.powersgd_rank=4`" in rows[0]
+    assert "| 250 |" in rows[1] and "| none |" in rows[1]
+    assert "`train.ema_decay=0.66`<br>`comm.local_steps=4`" in rows[2] and "`abcdef0+dirty`" in rows[2]
+    assert "AMD EPYC, local: 2 runs; AMD EPYC, powersgd: 1 runs" in text

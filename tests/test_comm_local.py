@@ -120,6 +120,124 @@ def _a_round_follows_its_rules(rank: int, world: int, name: str) -> None:
             assert train_step(model, optimizer, comm, rank, step) is None  # mid-round: nothing exchanged
 
 
+def _sparse_rounds_keep_state(rank: int, world: int) -> None:
+    topo = setup_distributed(DistConfig())
+    model = net(batchnorm=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cfg = CommConfig(kind="local", local_steps=2, local_density=0.25, local_state="keep", selection="torch")
+    comm = build_communicator(cfg, model, topo, optimizer)
+    params, buffers = list(model.parameters()), [model[1].running_mean, model[1].running_var]
+    anchor = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+    residuals = torch.zeros(world, anchor.numel())
+    n = anchor.numel()
+    k = -(-n // 4)
+    for step in range(6):
+        if step % 2 == 0:
+            assert train_step(model, optimizer, comm, rank, step) is None
+            continue
+        x, y = batch(rank, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        comm.finish()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        before, stats_before = gathered(topo, params), gathered(topo, buffers)
+        momentum = gathered(topo, [optimizer.state[p]["momentum_buffer"] for p in params])
+        synced = comm.end_step()
+        # each rank: its pseudo-gradient plus its residual, its k largest sent, the rest kept
+        acc = anchor - before + residuals
+        sent = torch.zeros_like(acc)
+        for r in range(world):
+            top = acc[r].abs().topk(k).indices
+            sent[r, top] = acc[r, top]
+        residuals = acc - sent
+        anchor = anchor - sent.mean(0)
+        after = gathered(topo, params)
+        assert torch.equal(after[0], after[1]) and torch.allclose(after[rank], anchor, atol=1e-6)
+        assert torch.allclose(comm.residual, residuals[rank], atol=1e-6)
+        assert torch.allclose(gathered(topo, buffers)[rank], stats_before.mean(0), atol=1e-6)
+        # keep: each rank's momentum is its own, untouched by the synchronisation
+        assert not torch.equal(momentum[0], momentum[1])
+        assert torch.equal(gathered(topo, [optimizer.state[p]["momentum_buffer"] for p in params]), momentum)
+        # per step of the round: the allgather of k pairs, then the BatchNorm statistics' allreduce (no state)
+        assert synced["bytes_sent"] == pytest.approx((8 * k + 4 * 16) / 2)
+    assert residuals.abs().sum() > 0  # something was held back: the error feedback is exercised
+
+
+def _sparse_round_restores(rank: int, world: int) -> None:
+    topo = setup_distributed(DistConfig())
+    cfg = CommConfig(kind="local", local_steps=3, local_density=0.3, local_state="keep")
+    straight = net(batchnorm=True)
+    opt_a = torch.optim.SGD(straight.parameters(), lr=0.1, momentum=0.9)
+    comm_a = build_communicator(cfg, straight, topo, opt_a)
+    for step in range(6):  # synchronisations at steps 3 and 6: saved between rounds, the replicas equal
+        train_step(straight, opt_a, comm_a, rank, step)
+    buffer = io.BytesIO()
+    torch.save(comm_a.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert saved["since_sync"] == 0 and saved["round"]["residual"] is not None
+    restored = net(batchnorm=True)
+    restored.load_state_dict(gathered_state_of_rank0(topo, straight))
+    opt_b = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    for state in opt_b.state.values():  # the checkpoint's optimizer state is rank 0's
+        for t in state.values():
+            topo.world.broadcast_(t, src=0)
+    comm_b = build_communicator(cfg, restored, topo, opt_b)
+    comm_b.load_state_dict(saved)
+    for step in range(6, 13):
+        train_step(straight, opt_a, comm_a, rank, step)
+        train_step(restored, opt_b, comm_b, rank, step)
+    for (name, a), b in zip(straight.state_dict().items(), restored.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(comm_a.residual, comm_b.residual)
+
+
+def _a_diverged_rank_stops_every_rank(rank: int, world: int) -> str:
+    topo = setup_distributed(DistConfig())
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = CommConfig(kind="local", local_steps=2, local_density=0.25, selection="mstopk")
+    comm = build_communicator(cfg, model, topo, optimizer)
+    assert train_step(model, optimizer, comm, rank, 0) is None
+    if rank == 1:  # this rank's weights diverge mid-round; its gradients stay finite
+        with torch.no_grad():
+            model[0].weight[0, 0] = float("inf")
+    x, y = batch(rank, 1)
+    nn.functional.cross_entropy(model(x), y).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.grad = torch.nan_to_num(p.grad)
+    comm.finish()
+    optimizer.step()
+    with pytest.raises(FloatingPointError, match="not finite") as raised:
+        comm.end_step()
+    return str(raised.value)
+
+
+@pytest.mark.dist
+def test_a_rank_whose_pseudo_gradient_is_not_finite_stops_every_rank_before_the_allgather(tmp_path):
+    """Without the agreed flag the diverged rank's selection raises alone (MSTopK rejects inf) and the other
+    rank waits in the allgather: a hang, not one error on both."""
+    messages = run_ranks(_a_diverged_rank_stops_every_rank, 2, tmp_path)
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.dist
+def test_sparse_rounds_send_the_top_k_with_error_feedback_and_keep_state_stays_per_rank(tmp_path):
+    """SparseLoCo against a hand computation from every rank's weights: fails if the residual is not added
+    before the selection or not kept, if the pairs are summed instead of averaged, if the optimizer state is
+    averaged under keep, or on the wrong bytes."""
+    run_ranks(_sparse_rounds_keep_state, 2, tmp_path)
+
+
+@pytest.mark.dist
+def test_a_sparse_round_with_kept_state_restores_mid_way_bitwise(tmp_path):
+    """Fails if the checkpoint lacks the residual or, under keep, a rank's own optimizer state after a
+    synchronisation (the restored rank 1 would continue with rank 0's momentum)."""
+    run_ranks(_sparse_round_restores, 2, tmp_path)
+
+
 def _warm_up_then_rounds(rank: int, world: int) -> list[bool]:
     topo = setup_distributed(DistConfig())
     model = net()
@@ -234,10 +352,17 @@ def test_ranks_whose_optimizer_state_differs_stop_together_in_words(tmp_path):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("key, value", [("local_steps", 0), ("outer_lr", 0.0), ("outer_momentum", 1.0),
-                                        ("compression", "fp16")])
+                                        ("compression", "fp16"), ("local_density", 0.0), ("local_density", 1.5),
+                                        ("local_state", "drop")])
 def test_bad_local_settings_are_config_errors_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=f"comm.{key}"):
         CommConfig(kind="local", **{key: value})
+
+
+@pytest.mark.unit
+def test_a_16_bit_wire_with_a_sparse_pseudo_gradient_is_a_config_error():
+    with pytest.raises(ConfigError, match="comm.local_density < 1"):
+        CommConfig(kind="local", local_density=0.1, compression="bf16")
 
 
 @pytest.mark.unit
@@ -309,3 +434,22 @@ def test_the_planner_prices_local_as_one_synchronisation_per_round(optim, per_pa
                 + ring_allreduce_s(4 * per_param * n, 8, links["world"])) / 8
     flag = ring_allreduce_s(4, 8, links["world"])  # every step's non-finite flag
     assert plan == [] and step == pytest.approx(0.3 + flag + expected)
+
+
+@pytest.mark.unit
+def test_the_planner_prices_a_sparse_round_with_kept_state_as_an_allgather_of_k_pairs():
+    """SparseLoCo with kept optimizer state: a synchronisation is the allgather of each rank's k pairs (8 bytes
+    each) and the selection from the n pseudo-gradient elements, no state (not even an empty allreduce's latency).
+    Fails if the dense allreduce is priced, the state is still priced under keep, or the selection is left out."""
+    from trainer.comm.cost import Layout, Link, Network, Selection, k_of
+    from trainer.comm.links import allgather_s, ring_allreduce_s
+    from trainer.comm.planner import ModelSpec, strategies
+    links = {"world": Link(1e-4, 1e8)}
+    net = Network(Layout(4, 2), links, Selection(0.01, 2e-9))
+    n = 25_000_000
+    comm = CommConfig(kind="local", local_steps=8, local_density=0.01, local_state="keep")
+    local = strategies(comm, [0.01], 1)[0]
+    assert local.label == "local H=8 top-k 0.01"
+    step, _ = local.step_s(0.1, 0.2, ModelSpec("m", [n]), net)
+    sync = allgather_s(8 * k_of(n, 0.01), 8, links["world"]) + 0.01 + 2e-9 * n
+    assert step == pytest.approx(0.3 + ring_allreduce_s(4, 8, links["world"]) + sync / 8)

@@ -3,6 +3,7 @@
     sudo .venv/bin/python -m scripts.bench.cluster_tta [--quick] [--seeds 3] [--out runs/cluster_tta/<time>]
     sudo .venv/bin/python -m scripts.bench.cluster_tta --resume runs/cluster_tta/<time>   # continue a stopped run
     .venv/bin/python -m scripts.bench.cluster_tta --from-runs runs/cluster_tta/<time>     # report only, no root
+    sudo .venv/bin/python -m scripts.bench.cluster_tta --tune local --set comm.local_steps=4 [--tuning-seeds 0]
 
 The cluster is scripts/netem's (`cluster.sh up 2 RATE`, `run.sh --nproc-per-node 2`, as scripts/bench/scaling.py
 brings it up, under a prefix of its own): 2 network namespaces ("nodes") of 2 ranks each, 1 CPU thread per rank,
@@ -30,6 +31,10 @@ Per run, and per (rate, kind) as medians over seeds with their range:
 "Which kind when": per link rate, the kind with the least median time to WHICH_TARGET. Results go to
 docs/results/cluster_tta.json (cluster_tta.quick.json with --quick) when every planned run has finished, or to
 --results-dir when it is given; scripts/results_tables.py renders them into docs/benchmarks.md.
+
+Tuning (`--tune KIND --set key=value ...`): one kind with config overrides on tuning seeds (below FIRST_SEED) at one
+rate (`--rate`, default TUNING_RATE); each run is appended to TUNING_FILE with the machine and commit, and no fresh
+seed is ever used to choose a setting.
 
 Each finished run is saved at once as OUT/records/RATE_KIND_seedN.json; `--resume OUT` reuses them and runs
 only the rest. The emulated nodes share this machine's disk, so they share one cache folder per run (a real
@@ -61,15 +66,17 @@ KINDS: dict[str, list[str]] = {
     "dense16": ["comm.kind=dense", "comm.compression=fp16"],
     "topk": ["comm.kind=topk"],
     "hitopk": ["comm.kind=hitopk"],
-    "powersgd": ["comm.kind=powersgd"],
+    # rank and dense warm-up tuned on tuning seed 0 (docs/results/cluster_tta_tuning.json): the fastest to 70%
+    "powersgd": ["comm.kind=powersgd", "comm.powersgd_rank=16", "comm.dense_warmup_steps=31"],
     # auto with an fp16 wire, as in scripts/bench/scaling.py: its dense16 is then the fixed dense16 row's exchange
     "auto": ["comm.kind=auto", "comm.compression=fp16"],
 }
 """Each kind the bench trains with -> its config overrides, in the order of a seed's first rate."""
 MULTI_STEP_KINDS: dict[str, list[str]] = {
-    # local SGD at comm.local_steps' default (8), plain averaging; not tuned yet. Its moving average folds once per
-    # round: the recipe's per-step decay 0.95, compounded over the 8 steps of a round
-    "local": ["comm.kind=local", f"train.ema_decay={0.95 ** 8:.4f}"],
+    # local SGD, plain averaging, H tuned on tuning seed 0 (against DiLoCo's outer step, other H and SparseLoCo:
+    # docs/results/cluster_tta_tuning.json). Its moving average folds once per round: the recipe's per-step decay
+    # 0.95, compounded over the H steps of a round
+    "local": ["comm.kind=local", "comm.local_steps=16", f"train.ema_decay={0.95 ** 16:.4f}"],
 }
 """The multi-step kinds -> their overrides; they run after KINDS, on the same seeds and rates."""
 PER_STEP_KINDS = ("dense", "dense16", "topk", "hitopk", "powersgd")
@@ -85,8 +92,12 @@ WHICH_TARGET = 0.7
 RUN_ESTIMATE_S = {"unlimited": 450.0, "1gbit": 600.0, "200mbit": 1200.0}
 """A run's seconds before any run of the cell has finished (rough: the recipe's ~300 s on 2 ranks, 4 ranks on the
 same cores, and dense's ~45 MB per step crossing the link); replaced by the medians of finished runs."""
-SETTINGS = ("config", "target_consecutive", "nodes", "ranks_per_node")
-"""What a saved run must share with this run to be reused by --resume."""
+TUNING_RATE = "1gbit"
+TUNING_FILE = common.RESULTS_DIR / "cluster_tta_tuning.json"
+"""Every tuning run of a kind's settings (a JSON list), as scripts/bench/tta.py keeps docs/results/tta_tuning.json."""
+SETTINGS = ("config", "target_consecutive", "nodes", "ranks_per_node", "cpu")
+"""What a saved run must share with this run to be reused by --resume: a full run spans sessions, and a session
+may get another machine, whose runs belong in a result of their own."""
 
 
 # ---------------------------------------------------------------- the plan
@@ -114,17 +125,34 @@ def run_name(seed: int, rate: str, kind: str) -> str:
     return f"{rate}_{kind}_seed{seed}"
 
 
-def load_records(out: Path, settings: Mapping[str, Any]) -> dict[tuple[int, str, str], dict[str, Any]]:
+def machine_name() -> str:
+    """This machine as records name it: CPU model, cores and the instruction-set flags that change kernel choices
+    (two sessions may get boxes of one model name with other sizes)."""
+    m = common.machine()
+    return f"{m['cpu']}, {m['cores']} cores ({', '.join(m['cpu_flags']) or 'no listed flags'})"
+
+
+def load_records(out: Path, settings: Mapping[str, Any], kinds: Mapping[str, Sequence[str]] | None = None
+                 ) -> dict[tuple[int, str, str], dict[str, Any]]:
     """The finished runs saved under out/records, by (seed, rate, kind). A record run with other `settings` (config,
-    target rule, layout) raises: its times would not compare with this run's."""
+    target rule, layout, machine), or with other overrides than its kind's in `kinds` (a setting frozen since),
+    raises, as do records of several machines: their times would not compare."""
     done = {}
     for path in sorted((out / "records").glob("*.json")):
         record = json.loads(path.read_text())
         differ = {k: (record.get(k), v) for k, v in settings.items() if record.get(k) != v}
+        if kinds is not None and record["kind"] in kinds and record.get("overrides") != list(kinds[record["kind"]]):
+            differ["overrides"] = (record.get("overrides"), list(kinds[record["kind"]]))
         if differ:
             what = ", ".join(f"{k}: {a!r}, now {b!r}" for k, (a, b) in differ.items())
-            raise ValueError(f"{path}: run with other settings ({what}); give a fresh --out")
+            old = " (written before records named their machine)" if "cpu" in differ and differ["cpu"][0] is None \
+                else ""
+            raise ValueError(f"{path}: run with other settings ({what}){old}; give a fresh --out")
         done[(record["seed"], record["rate"], record["kind"])] = record
+    cpus = {r.get("cpu") for r in done.values()}
+    if len(cpus) > 1:
+        raise ValueError(f"{out}: runs from several machines ({', '.join(map(str, sorted(cpus, key=str)))}; None: "
+                         "written before records named their machine): each machine's runs are a result of their own")
     return done
 
 
@@ -219,7 +247,7 @@ def make_record(run: Run, launched: float, rate: str, kind: str, overrides: Sequ
     since = from_launch(run, launched)
     return {"rate": rate, "kind": kind, "seed": run.seed, "overrides": list(overrides), "config": run.config,
             "target_consecutive": consecutive, "nodes": NODES, "ranks_per_node": RANKS_PER_NODE,
-            **{k: v for k, v in asdict(run).items() if k not in ("side", "seed", "config")},
+            "cpu": machine_name(), **{k: v for k, v in asdict(run).items() if k not in ("side", "seed", "config")},
             "from_launch_s": since.elapsed_s,
             "time_to_s": {f"{t:g}": since.time_to(t, consecutive) for t in targets},
             "epochs_to": {f"{t:g}": since.epochs_to(t, consecutive) for t in targets},
@@ -391,6 +419,46 @@ def report(records: Sequence[Mapping[str, Any]], planned: Sequence[tuple[int, st
     return line
 
 
+def prepare_to_train() -> None:
+    """Exit in one line without root (netem) or DALI; else the dataset prepared and in the page cache."""
+    from data import dali_available
+
+    reason = common.netem_skip_reason() or (None if dali_available() else "needs NVIDIA DALI for the recipe "
+                                            "(pip install -r requirements.txt)")
+    if reason:
+        raise SystemExit(f"bench {BENCH}: {reason}")
+    from data.tta_photos import prepare
+
+    tta.warm_page_cache(prepare(common.REPO / tta.DATA))
+
+
+def append_tuning(records: Sequence[Mapping[str, Any]], overrides: Sequence[str], path: Path | None = None) -> Path:
+    """Append tuning runs' records (with the --set overrides, the date and the machine) to the tuning history
+    (default TUNING_FILE)."""
+    path = path or TUNING_FILE
+    history = json.loads(path.read_text()) if path.is_file() else []
+    for r in records:
+        history.append({"date": r["finished"], "machine": common.machine(), "purpose": "tuning", "set": list(overrides),
+                        **{k: v for k, v in r.items() if k != "run_dir"}})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(history, indent=1) + "\n")
+    return path
+
+
+def tune(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """--tune: the kind with its bench overrides and then --set's, on each tuning seed at --rate; every run
+    appended to TUNING_FILE."""
+    overrides = [*kinds_for(False)[args.tune], *args.set]
+    out = args.out or Path("runs/cluster_tta") / f"tune-{args.tune}-{time.strftime('%Y%m%d-%H%M%S')}"
+    prepare_to_train()
+    records: list[dict[str, Any]] = []
+    run_all([(seed, args.rate, args.tune) for seed in args.tuning_seeds], {args.tune: overrides}, out, args.targets,
+            args.consecutive, records)
+    print(f"# {len(records)} tuning run(s) of {args.tune} {' '.join(args.set)} appended to "
+          f"{append_tuning(records, args.set)}")
+    return records
+
+
 # ---------------------------------------------------------------- entry point
 
 
@@ -411,8 +479,17 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results-dir", default=None,
                         help="write the result file here even if runs are missing ('' = never; default: "
                              "docs/results once every planned run has finished)")
+    parser.add_argument("--tune", choices=list(kinds_for(False)), help="tuning: one kind on tuning seeds")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="--tune: a config override on top of the kind's (repeatable)")
+    parser.add_argument("--tuning-seeds", type=int, nargs="+", default=[0], help=f"--tune: seeds (< {FIRST_SEED})")
+    parser.add_argument("--rate", choices=RATES, default=TUNING_RATE, help=f"--tune: the links (default {TUNING_RATE})")
     args = parser.parse_args(argv)
     args.seeds = args.seeds or (QUICK_SEEDS if args.quick else FULL_SEEDS)
+    if args.tune is not None and any(not 0 <= s < FIRST_SEED for s in args.tuning_seeds):
+        parser.error(f"--tuning-seeds must be in 0..{FIRST_SEED - 1}: higher seeds are the fresh ones")
+    if args.tune is None and args.set:
+        parser.error("--set needs --tune")
     if args.seeds < 1 or args.consecutive < 1 or not all(0 < t <= 1 for t in args.targets):
         parser.error("--seeds and --consecutive must be >= 1 and --targets in (0, 1]")
     if args.first_seed < FIRST_SEED:
@@ -427,28 +504,24 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
     common.record_run(args)
+    if args.tune is not None:
+        tune(args)
+        return {}
     kinds = kinds_for(args.quick)
     planned = plan_runs(range(args.first_seed, args.first_seed + args.seeds), QUICK_RATES if args.quick else RATES,
                         list(kinds))
     out = args.resume or args.from_runs or args.out or Path("runs/cluster_tta") / time.strftime("%Y%m%d-%H%M%S")
     settings = {"config": tta.RECIPE_CONFIG, "target_consecutive": args.consecutive, "nodes": NODES,
-                "ranks_per_node": RANKS_PER_NODE}
-    done = load_records(out, settings) if (args.resume or args.from_runs) else {}
+                "ranks_per_node": RANKS_PER_NODE, **({} if args.from_runs else {"cpu": machine_name()})}
+    done = load_records(out, settings, None if args.from_runs else kinds) if (args.resume or args.from_runs) \
+        else {}
     finished = [done[p] for p in planned if p in done]
     pending = [p for p in planned if p not in done]
     print(f"# {BENCH}: {len(planned)} runs planned ({args.seeds} seed(s) x {len(set(r for _, r, _ in planned))} "
           f"rate(s) x {len(kinds)} kinds), {len(finished)} finished in {out}, {len(pending)} to run: about "
           f"{estimate_s(pending, done.values()) / 3600:.1f} h", flush=True)
     if pending and args.from_runs is None:
-        from data import dali_available
-
-        reason = common.netem_skip_reason() or (None if dali_available() else "needs NVIDIA DALI for the recipe "
-                                                "(pip install -r requirements.txt)")
-        if reason:
-            raise SystemExit(f"bench {BENCH}: {reason}")
-        from data.tta_photos import prepare
-
-        tta.warm_page_cache(prepare(common.REPO / tta.DATA))
+        prepare_to_train()
         run_all(pending, kinds, out, args.targets, args.consecutive, finished)
     if not finished:
         raise SystemExit(f"bench {BENCH}: {out}: no finished run to report")

@@ -15,10 +15,11 @@ from torch import nn
 
 from trainer.comm.base import Bucket
 from trainer.comm.config import CommConfig
-from trainer.comm.cost import (CODES, DENSE, Choice, Layout, Link, Network, Selection, build_network, candidates,
-                               predict)
+from trainer.comm.cost import (CODES, DENSE, Choice, Layout, Link, Network, Selection, Shapes, build_network,
+                               candidates, describe, predict)
 from trainer.comm.execute import PlanExecutor
 from trainer.comm.policy import Action, Policy, Window
+from trainer.comm.powersgd import PowerSGDExecution, factor_work
 from trainer.comm.sparse import TOPK, sparse_local_work
 from trainer.dist import Group, Topology
 
@@ -26,11 +27,29 @@ __all__ = ["AutoCommunicator", "build_network", "network_from_calibration"]
 
 
 class AutoCommunicator(PlanExecutor):
-    """Per-bucket exchange chosen from live measurements (docs/communicators.md)."""
+    """Per-bucket exchange chosen from live measurements (docs/communicators.md).
+
+    With powersgd in `comm.auto_kinds` its state adds PowerSGD's (`powersgd`: Q per bucket, random draws). A
+    bucket that leaves powersgd keeps its Q (the average, alike on every rank): if it comes back, the power
+    iteration warm-starts from it, orthogonalised; its residual is folded like any other kind's."""
 
     def __init__(self, cfg: CommConfig, model: nn.Module, topo: Topology) -> None:
-        super().__init__(cfg, model, topo, "dense", {"topk": TOPK, "hitopk": TOPK}, intra=topo.intra_node,
+        self.powersgd: PowerSGDExecution | None = None
+        """powersgd's execution, when `comm.auto_kinds` lists it."""
+        executions = {"topk": TOPK, "hitopk": TOPK}
+        if "powersgd" in cfg.auto_kinds:
+            self.powersgd = executions["powersgd"] = PowerSGDExecution(cfg.powersgd_rank, cfg.powersgd_warm_start)
+        super().__init__(cfg, model, topo, "dense", executions, intra=topo.intra_node,
                          inter=topo.inter_node, replans=True)
+        self.shapes: list[Shapes] | None = None
+        """Per bucket, the (rows, cols, rank) of the matrices powersgd would compress (None: powersgd is not
+        among `comm.auto_kinds`)."""
+        if self.powersgd is not None:
+            self.shapes = [self.powersgd.view(b).shapes if b.numel >= cfg.dense_below else () for b in self.buckets]
+        by_size: dict[int, Shapes] = {}  # the options are by size; `cost.choose` checks each bucket's own matrices
+        for b, shapes in zip(self.buckets, self.shapes or []):
+            if shapes:
+                by_size.setdefault(b.numel, shapes)
         self.calibration_steps = max(cfg.calibration_steps, cfg.dense_warmup_steps)
         self.net: Network | None = None
         """The fitted model (None until calibrated)."""
@@ -59,7 +78,8 @@ class AutoCommunicator(PlanExecutor):
         """How many of the last steps before it are timed."""
         self._fresh_plan = False
         """The next step is a new plan's first: not timed (allocations, first touch of its buffers)."""
-        self._options = lambda n: candidates(n, self.net_layout, cfg.densities, cfg.min_density, cfg.dense_below)
+        self._options = lambda n: candidates(n, self.net_layout, cfg.densities, cfg.min_density, cfg.dense_below,
+                                             cfg.auto_kinds, by_size.get(n))
         self.warm_up_options()
 
     # ------------------------------------------------------------ the exchange
@@ -108,7 +128,28 @@ class AutoCommunicator(PlanExecutor):
 
     def begin_step(self) -> None:
         super().begin_step()
+        if self.powersgd is not None:
+            self.powersgd.begin_step()
         self._measuring_step = self.measuring
+
+    def rollback(self) -> None:
+        super().rollback()
+        if self.powersgd is not None:
+            self.powersgd.rollback()
+
+    def state_dict(self) -> dict:
+        """The executor's (steps, residuals and their kinds); with powersgd among the kinds, `powersgd`: Q per
+        bucket and the random draws so far."""
+        state = super().state_dict()
+        if self.powersgd is not None:
+            state["powersgd"] = self.powersgd.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """The executor's; a missing `powersgd` entry starts PowerSGD's Q and draws afresh."""
+        super().load_state_dict(state)
+        if self.powersgd is not None:
+            self.powersgd.load_state_dict(state.get("powersgd", {}), self.topo.device)
 
     # ------------------------------------------------------------ measuring and deciding
 
@@ -176,9 +217,10 @@ class AutoCommunicator(PlanExecutor):
         ready, chain, span, exposed = self._medians(self._rows)
         probes = self._probe_links()
         select_pts, cast_pt = self._probe_local_work()
+        flops_pt = self._probe_factor_work()
         names = sorted(probes)
         flat = ready + chain + [span, exposed] + [t for name in names for _, t in probes[name]] \
-            + [t for _, t in select_pts] + [cast_pt[1]]
+            + [t for _, t in select_pts] + [cast_pt[1], flops_pt[1]]
         rows = self._over_ranks(flat)
         nb = len(self.buckets)
         dense = (DENSE,) * nb
@@ -192,11 +234,12 @@ class AutoCommunicator(PlanExecutor):
             pos += len(probes[name])
         select_pts = [(x, most[pos + j]) for j, (x, _) in enumerate(select_pts)]
         pos += len(select_pts)
-        cast_s = most[pos]
-        self.net = build_network(self.net_layout, probes, select_pts, cast_s / max(cast_pt[0], 1))
+        cast_s, flops_s = most[pos], most[pos + 1]
+        self.net = build_network(self.net_layout, probes, select_pts, cast_s / max(cast_pt[0], 1),
+                                 flops_s / flops_pt[0] if flops_pt[0] else 0.0)
         sizes = [b.numel for b in self.buckets]
         if self.topo.is_main:
-            self.policy = Policy(self.cfg, sizes, self._options, self.local_competes)
+            self.policy = Policy(self.cfg, sizes, self._options, self.local_competes, self.shapes)
         action = self._follow(lambda policy: policy.start(self.net, window))
         self._rows = []
         ready, chain = list(window.ready_before_end), list(window.chain_s)
@@ -207,6 +250,7 @@ class AutoCommunicator(PlanExecutor):
                             "dense_exposed_s": exposed, "net_scale": self.net.net_scale,
                             "select_per_element_s": self.net.selection.per_element_s,
                             "select_fixed_s": self.net.selection.fixed_s, "cast_per_element_s": self.net.cast_per_element_s,
+                            "seconds_per_flop": self.net.seconds_per_flop,
                             **{f"link/{k}/alpha_s": v.alpha_s for k, v in self.net.links.items()},
                             **{f"link/{k}/bytes_per_s": v.bytes_per_s for k, v in self.net.links.items()},
                             **{f"bucket/{i}/elements": float(n) for i, n in enumerate(sizes)},
@@ -248,11 +292,15 @@ class AutoCommunicator(PlanExecutor):
             raise RuntimeError("comm auto: set_plan before calibration; the plan is predicted with the measured model")
         if len(plan) != len(self.buckets):
             raise ValueError(f"comm auto: a plan needs one choice per bucket ({len(self.buckets)}), got {len(plan)}")
+        unknown = sorted({c.kind for c in plan} - set(self.executions))
+        if unknown:
+            raise ValueError(f"comm auto: {', '.join(unknown)} is not among comm.auto_kinds {self.cfg.auto_kinds}")
         if list(plan) != self.plan:
             self._fresh_plan = True
         self.plan = list(plan)
         self.predicted_exposed_s, self.predicted_chain_s = predict(
-            [b.numel for b in self.buckets], self.ready_before_end, self.plan, self.net, self.local_competes)
+            [b.numel for b in self.buckets], self.ready_before_end, self.plan, self.net, self.local_competes,
+            self.shapes)
         self.warm_up(zip([b.numel for b in self.buckets], self.plan))
 
     def warm_up_options(self) -> None:
@@ -325,14 +373,21 @@ class AutoCommunicator(PlanExecutor):
                 rows.append((float(n * t.element_size()), self._timed(run)))
             out[name] = rows
 
-        probe("world", topo.world, "allreduce", (2**13, 2**17), torch.float32)
-        probe("world16", topo.world, "allreduce", (2**13, 2**17), self.wire16)
-        probe("world_gather", topo.world, "allgather", (2**11, 2**15), torch.float32)
+        # The larger size moves a few MB over the slowest link: a shaped link (a cloud NIC's token bucket, tc tbf)
+        # lets a burst of a few hundred KB through above its rate, so a probe that short fits too fast a link
+        # (scripts/bench/links.py measures it); the smaller size carries the latency. An allgather's per-rank size
+        # shrinks with its group, so that each link carries about 4 MB however many ranks gather.
+        def gathered(group: Group) -> int:
+            return max(2**11, 2**20 // max(group.size, 4))
+
+        probe("world", topo.world, "allreduce", (2**13, 2**20), torch.float32)
+        probe("world16", topo.world, "allreduce", (2**13, 2**20), self.wire16)
+        probe("world_gather", topo.world, "allgather", (2**11, gathered(topo.world)), torch.float32)
         if lay.per_node > 1 and lay.nodes > 1:
-            probe("inter", topo.inter_node, "allgather", (2**11, 2**15), torch.float32)
-            probe("intra_gather", topo.intra_node, "allgather", (2**13, 2**17), torch.float32)
+            probe("inter", topo.inter_node, "allgather", (2**11, gathered(topo.inter_node)), torch.float32)
+            probe("intra_gather", topo.intra_node, "allgather", (2**13, 2**20), torch.float32)
             probe("intra_scatter", topo.intra_node, "reduce_scatter",  # sizes the ranks of a node divide evenly
-                  (2**14 // per * per, 2**18 // per * per), torch.float32)
+                  (2**14 // per * per, 2**21 // per * per), torch.float32)
         return out
 
     def _probe_local_work(self) -> tuple[list[tuple[float, float]], tuple[float, float]]:
@@ -357,6 +412,20 @@ class AutoCommunicator(PlanExecutor):
             if largest.buffer is not None else 0.0
         return points, (float(largest.numel), cast)
 
+    def _probe_factor_work(self) -> tuple[float, float]:
+        """(flops, seconds) of powersgd's local work (`factor_work`; flops as `cost.describe` counts them) on the
+        bucket with the most; (0, 0) when powersgd is not among the kinds or no bucket has a matrix."""
+        if self.powersgd is None or not any(self.shapes or []):
+            return 0.0, 0.0
+        flops = [describe(b.numel, Choice("powersgd"), self.net_layout, s).flops if s else 0.0
+                 for b, s in zip(self.buckets, self.shapes)]
+        b = self.buckets[max(range(len(flops)), key=flops.__getitem__)]
+        if b.buffer is None:
+            return 0.0, 0.0
+        # made finite: after an fp16 overflow the live gradient holds inf/NaN
+        flat = torch.nan_to_num(b.buffer.float(), nan=0.0, posinf=0.0, neginf=0.0)
+        return max(flops), self._timed(factor_work(flat, self.powersgd.view(b)), reps=1)
+
     def table(self, dense_chain: Sequence[float]) -> str:
         """The decision, one line per bucket (printed on rank 0 at the end of calibration)."""
         net = self.net
@@ -364,13 +433,14 @@ class AutoCommunicator(PlanExecutor):
                 + ", ".join(f"{k} {v.bytes_per_s * 8 / 1e9:.2f} Gbit/s {v.alpha_s * 1e6:.0f} us"
                             for k, v in net.links.items())
                 + f"; measured/modelled during backward x{net.net_scale:.2f}; selection "
-                f"{net.selection.per_element_s * 1e9:.1f} ns/element; min density {self.cfg.min_density:g}")
+                f"{net.selection.per_element_s * 1e9:.1f} ns/element; min density {self.cfg.min_density:g}"
+                + (f"; powersgd local work {net.seconds_per_flop * 1e12:.2f} ps/flop" if self.powersgd else ""))
         lines = [head, f"{'bucket':>6} {'elements':>10} {'ready ms':>9} {'dense ms':>9} {'choice':>14} {'pred ms':>8}"]
         for b, choice in zip(self.buckets, self.plan):
             lines.append(f"{b.index:>6} {b.numel:>10} {self.ready_before_end[b.index] * 1e3:>9.1f} "
                          f"{dense_chain[b.index] * 1e3:>9.1f} {choice.label:>14} {self.predicted_chain_s[b.index] * 1e3:>8.1f}")
         dense_exposed, _ = predict([b.numel for b in self.buckets], self.ready_before_end, [DENSE] * len(self.buckets),
-                                   net, self.local_competes)
+                                   net, self.local_competes, self.shapes)
         lines.append(f"predicted exposed exchange: {self.predicted_exposed_s * 1e3:.1f} ms (all dense: "
                      f"{dense_exposed * 1e3:.1f} ms); ready ms = launched this long before backward ended")
         return "\n".join(lines)
@@ -384,7 +454,8 @@ def network_from_calibration(cal: dict[str, float], layout: Layout) -> tuple[Net
     if "world" not in links:
         raise ValueError("calibration: no link/world/* entries (not an auto communicator's calibration)")
     net = Network(layout, links, Selection(cal["select_fixed_s"], cal["select_per_element_s"]),
-                  cal["cast_per_element_s"], net_scale=cal["net_scale"])
+                  cal["cast_per_element_s"], net_scale=cal["net_scale"],
+                  seconds_per_flop=cal.get("seconds_per_flop", 0.0))  # absent: powersgd was not measured
     count = sum(1 for key in cal if key.startswith("bucket/") and key.endswith("/elements"))
     sizes = [int(cal[f"bucket/{i}/elements"]) for i in range(count)]
     ready = [cal[f"bucket/{i}/ready_before_end_s"] for i in range(count)]

@@ -107,8 +107,9 @@ class Communicator:
         when nothing is selected."""
         return []
 
-    def selection_sizes(self) -> dict[tuple[int, float], int]:
-        """(elements, density) of the top-k selections a step may make -> how many per step."""
+    def selection_sizes(self) -> dict[tuple[int, float], float]:
+        """(elements, density) of the top-k selections a step may make -> how many per step (a fraction for a
+        selection made once every few steps)."""
         return {}
 
     def use_selection(self, selection: str) -> None:

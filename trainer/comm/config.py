@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainer.comm.plan import AUTO_CHOOSABLE
 from trainer.config import require
 
 CommKind = Literal["dense", "topk", "hitopk", "powersgd", "local", "auto"]
@@ -20,9 +22,9 @@ class CommConfig:
     allgathered; hitopk = the paper's hierarchical top-k (dense inside a node, sparse between nodes); powersgd =
     PowerSGD's rank-r approximation of each gradient matrix with error feedback (two small allreduces); local =
     local SGD / DiLoCo: each rank steps on its own gradients, and every comm.local_steps steps one allreduce of
-    the pseudo-gradient feeds an outer SGD step (trainer/comm/local.py); auto =
-    measure the cluster during the dense warm-up, then per bucket the exchange (dense fp32, dense 16-bit,
-    topk, hitopk) and density with the least predicted exposed time (docs/communicators.md)."""
+    the pseudo-gradient feeds an outer SGD step (trainer/comm/local.py); auto = measure the cluster during the
+    dense warm-up, then per bucket the exchange (`comm.auto_kinds`: dense fp32, dense 16-bit, topk, hitopk,
+    powersgd if listed) and density with the least predicted exposed time (docs/communicators.md)."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MB of fp32 gradients; each bucket is launched as soon as it is ready."""
     compression: Compression = "none"
@@ -37,6 +39,9 @@ class CommConfig:
     first steps synchronise every step."""
     densities: list[float] = field(default_factory=lambda: [0.01, 0.003, 0.001])
     """auto: the densities it may choose from (those below min_density are left out)."""
+    auto_kinds: list[str] = field(default_factory=lambda: ["dense", "dense16", "topk", "hitopk"])
+    """auto: the exchanges it may choose per bucket (dense always among them). powersgd is opt-in: untuned, its
+    rank-r approximation can cost accuracy that the step-time model does not see."""
     min_density: float = 0.01
     """auto: the lowest density the recipe has shown to converge; auto never sends less (1 = never sparse)."""
     calibration_steps: int = 6
@@ -71,6 +76,12 @@ class CommConfig:
     """local: the outer SGD step's rate on the averaged pseudo-gradient (1 with outer_momentum 0 = averaging)."""
     outer_momentum: float = 0.0
     """local: the outer step's Nesterov momentum (DiLoCo: outer_lr 0.7, outer_momentum 0.9); 0 = none."""
+    local_density: float = 1.0
+    """local: the fraction of the pseudo-gradient a synchronisation sends: 1 = all of it (one allreduce); below 1,
+    each rank's top-k of it plus its residual, allgathered, the rest kept as error feedback (SparseLoCo)."""
+    local_state: Literal["average", "keep"] = "average"
+    """local: the inner optimizer's per-element state (momentum, Adam's moments) at a synchronisation: average =
+    averaged over the ranks with the weights; keep = each rank keeps its own (DiLoCo), sending nothing for it."""
 
     def __post_init__(self) -> None:
         require(self.bucket_mb > 0, f"comm.bucket_mb: must be > 0, got {self.bucket_mb}")
@@ -84,6 +95,13 @@ class CommConfig:
         require(self.min_density >= 1 or self.min_density <= max(self.densities),
                 f"comm.min_density: {self.min_density} is above every comm.densities value {self.densities}, so "
                 "auto could never send sparse; lower it, add a density, or set it to 1 to mean never sparse")
+        valid = AUTO_CHOOSABLE
+        unknown = [k for k in self.auto_kinds if k not in valid]
+        near = [m[0] for k in unknown if (m := difflib.get_close_matches(k, valid, 1))]
+        require(not unknown, f"comm.auto_kinds: {', '.join(map(repr, unknown))} is not an exchange auto can choose"
+                             + (f" (did you mean {', '.join(near)}?)" if near else "") + f"; valid: {', '.join(valid)}")
+        require("dense" in self.auto_kinds,
+                f"comm.auto_kinds: must include dense (every bucket's fallback), got {self.auto_kinds}")
         require(self.calibration_steps >= 3, f"comm.calibration_steps: must be >= 3, got {self.calibration_steps}")
         require(self.trial_steps == 0 or self.trial_steps >= 2,
                 f"comm.trial_steps: must be 0 or >= 2 (the first step of a plan is not timed), got {self.trial_steps}")
@@ -102,3 +120,9 @@ class CommConfig:
                 "(no loss scale is behind it); use bf16 or none")
         require(self.outer_lr > 0, f"comm.outer_lr: must be > 0, got {self.outer_lr}")
         require(0 <= self.outer_momentum < 1, f"comm.outer_momentum: must be in [0, 1), got {self.outer_momentum}")
+        require(0 < self.local_density <= 1, f"comm.local_density: must be in (0, 1], got {self.local_density}")
+        require(self.local_state in ("average", "keep"),
+                f"comm.local_state: must be average or keep, got {self.local_state!r}")
+        require(not (self.local_density < 1 and self.compression != "none"),
+                "comm.compression: a 16-bit wire applies to the dense pseudo-gradient of comm.kind local; with "
+                "comm.local_density < 1 the top-k pairs go in fp32; set one of them")

@@ -10,9 +10,10 @@ and `KINDS`, are trainer/comm/plan.py's, re-exported here):
   N nodes' ranks of this local rank (the L local ranks share the node's link), intra-node allgather;
 - powersgd: an allreduce of the tensors it leaves uncompressed, then per round one allreduce of the low-rank
   factors of all the bucket's compressed matrices (P: rows x r each, then Q: cols x r each), and the
-  matrix products and orthogonalisations around them (`Exchange.flops`). Its bytes depend on the bucket's
-  tensor shapes, which the caller passes (`matrices`); the planner and `auto` know only bucket sizes and
-  do not consider it.
+  matrix products and orthogonalisations around them (`Exchange.flops`, timed at `Network.seconds_per_flop`).
+  Its bytes depend on the bucket's tensor shapes, which the caller passes (`matrices`; `shapes` per bucket to
+  `candidates`, `predict` and `choose`): `auto` considers it where `comm.auto_kinds` lists it, the planner,
+  which knows only bucket sizes, does not.
 The communicators count their bytes from this description (`sent_bytes`), the `auto` communicator times
 it with the links it measured, and the planner (`trainer/comm/planner.py`) times it with a cluster's links.
 
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from trainer.comm.links import (Link, Selection, allgather_s, fit_affine, fit_collective, fit_link,  # noqa: F401
                                 fit_selection, hierarchical_allreduce_s, reduce_scatter_s, ring_allreduce_s,
                                 rounds_of, volume_of)
-from trainer.comm.plan import CODES, DENSE, KINDS, Choice, plan_summary  # noqa: F401
+from trainer.comm.plan import AUTO_KINDS, CODES, DENSE, KINDS, Choice, plan_summary  # noqa: F401
 
 if TYPE_CHECKING:
     from trainer.dist import Topology
@@ -78,7 +79,7 @@ class Exchange:
     """Elements cast to and from a 16-bit wire dtype."""
     flops: float = 0.0
     """Floating-point operations of local compute besides selection (powersgd's products and
-    orthogonalisations); not timed by `Network`: no communicator measures a rate for them yet."""
+    orthogonalisations), timed at `Network.seconds_per_flop`."""
 
 
 def k_of(size: int, density: float) -> int:
@@ -119,14 +120,18 @@ def describe(n: int, choice: Choice, layout: Layout, matrices: Sequence[tuple[in
                      Collective("allgather", 4 * shard, "intra")), select_elements=shard, k=k)
 
 
-def describe_local(n: int, state_elements: int, layout: Layout, wire_bytes: int = 4) -> Exchange:
+def describe_local(n: int, state_elements: int, layout: Layout, wire_bytes: int = 4, k: int = 0) -> Exchange:
     """One synchronisation of `comm.kind: local` (every H steps, nothing in between): the allreduce of the n
-    pseudo-gradient elements on the wire (2 bytes: bf16), then the fp32 allreduce of the `state_elements`
-    averaged with them (BatchNorm statistics, the optimizer's per-element state)."""
+    pseudo-gradient elements on the wire (2 bytes: bf16), or with k > 0 the allgather of each rank's k (value,
+    index) pairs selected from them; then the fp32 allreduce of the `state_elements` averaged with them
+    (BatchNorm statistics, the optimizer's per-element state)."""
     if layout.world == 1:
         return Exchange(())
-    return Exchange((Collective("allreduce", wire_bytes * n, "world", wire_bytes),
-                     Collective("allreduce", 4 * state_elements, "world")), cast_elements=n if wire_bytes == 2 else 0)
+    state = (Collective("allreduce", 4 * state_elements, "world"),) if state_elements else ()  # none: not run
+    if k:
+        return Exchange((Collective("allgather", 8 * k, "world"),) + state, select_elements=n, k=k)
+    return Exchange((Collective("allreduce", wire_bytes * n, "world", wire_bytes),) + state,
+                    cast_elements=n if wire_bytes == 2 else 0)
 
 
 def sent_bytes(c: Collective, layout: Layout) -> tuple[float, float]:
@@ -169,6 +174,9 @@ class Network:
     """ring: one flat ring over all ranks (gloo); hierarchical: NCCL's 2-D allreduce."""
     net_scale: float = 1.0
     """Measured / modelled time of the collectives on the live cluster (contention with backward, drift)."""
+    seconds_per_flop: float = 0.0
+    """Seconds per floating-point operation of an exchange's other local work (`Exchange.flops`: powersgd's
+    products), measured on the real matrices; 0 where nothing measured it."""
 
     def link(self, *names: str) -> Link:
         for name in names:
@@ -200,7 +208,8 @@ class Network:
         return sum(self.collective_s(c) for c in ex.collectives)
 
     def local_s(self, ex: Exchange) -> float:
-        return self.selection.seconds(ex.select_elements) + self.cast_per_element_s * ex.cast_elements
+        return (self.selection.seconds(ex.select_elements) + self.cast_per_element_s * ex.cast_elements
+                + self.seconds_per_flop * ex.flops)
 
     def chain_s(self, ex: Exchange) -> float:
         """Seconds of one bucket's chain: its collectives and its local work, one after the other."""
@@ -223,7 +232,8 @@ allgather and reduce-scatter (both fit the one "intra" link)."""
 
 
 def build_network(layout: Layout, probes: dict[str, list[tuple[float, float]]],
-                  select_points: Sequence[tuple[float, float]] = (), cast_per_element_s: float = 0.0) -> Network:
+                  select_points: Sequence[tuple[float, float]] = (), cast_per_element_s: float = 0.0,
+                  seconds_per_flop: float = 0.0) -> Network:
     """The links fitted to probe measurements ({probe: [(bytes, seconds)]}, `PROBES`) and the sparse local
     work fitted to [(elements, seconds)]."""
     w, per, nodes = layout.world, layout.per_node, layout.nodes
@@ -241,7 +251,8 @@ def build_network(layout: Layout, probes: dict[str, list[tuple[float, float]]],
         pts = [(b * volume_of(allgather_s, per), t) for b, t in probes["intra_gather"]]
         pts += [(b * volume_of(reduce_scatter_s, per), t) for b, t in probes.get("intra_scatter", [])]
         links["intra"] = fit_link(pts, rounds_of(allgather_s, per), 1.0)
-    return Network(layout, links, fit_selection(select_points), cast_per_element_s)
+    return Network(layout, links, fit_selection(select_points), cast_per_element_s,
+                   seconds_per_flop=seconds_per_flop)
 
 
 def exchange_bytes(ex: Exchange, layout: Layout) -> tuple[float, float]:
@@ -285,7 +296,7 @@ def with_inter_rate(net: Network, factor: float, layout: Layout | None = None) -
         else:
             links[name] = scaled(link, local)
     return Network(layout or net.layout, links, net.selection, net.cast_per_element_s, net.dense_algorithm,
-                   net.net_scale)
+                   net.net_scale, net.seconds_per_flop)
 
 
 # ---------------------------------------------------------------- choosing
@@ -295,25 +306,46 @@ MARGIN = 0.02
 (plus a tenth of a millisecond): ties stay dense."""
 
 
-def candidates(n: int, layout: Layout, densities: Sequence[float], min_density: float, dense_below: int
-               ) -> list[Choice]:
-    """The exchanges auto considers for a bucket of n elements (dense first)."""
-    out = [DENSE, Choice("dense16")]
+Shapes = Sequence[tuple[int, int, int]]
+"""(rows, cols, rank) of each matrix powersgd compresses in one bucket (`powersgd.BucketView.shapes`)."""
+
+
+def candidates(n: int, layout: Layout, densities: Sequence[float], min_density: float, dense_below: int,
+               kinds: Sequence[str] = AUTO_KINDS, shapes: Shapes | None = None) -> list[Choice]:
+    """The exchanges auto considers for a bucket of n elements (dense first), among `kinds`: powersgd only
+    for a bucket with matrices to compress (`shapes` non-empty)."""
+    out = [DENSE] + ([Choice("dense16")] if "dense16" in kinds else [])
     if layout.world == 1 or n < dense_below:
         return out
     safe = sorted({d for d in densities if d >= min_density}, reverse=True)
-    out += [Choice("topk", d) for d in safe]
-    if layout.per_node > 1 and layout.nodes > 1:
+    if "topk" in kinds:
+        out += [Choice("topk", d) for d in safe]
+    if "hitopk" in kinds and layout.per_node > 1 and layout.nodes > 1:
         out += [Choice("hitopk", d) for d in safe]
+    if "powersgd" in kinds and shapes:
+        out.append(Choice("powersgd"))
     return out
 
 
+def _shapes_at(shapes: Sequence[Shapes | None] | None, i: int) -> Shapes | None:
+    """Bucket i's matrices (empty: none); None without `shapes` (a powersgd choice then cannot be priced)."""
+    return (shapes[i] or ()) if shapes is not None else None
+
+
+def offered(choice: Choice, i: int, n: int, options: Callable[[int], list[Choice]],
+             shapes: Sequence[Shapes | None] | None) -> bool:
+    """Whether bucket i (n elements) may take `choice`: `options` are by size, and buckets of one size may
+    differ in their matrices, so powersgd also needs bucket i's own."""
+    return choice in options(n) and (choice.kind != "powersgd" or bool(_shapes_at(shapes, i)))
+
+
 def predict(sizes: Sequence[int], ready_before_end: Sequence[float], plan: Sequence[Choice], net: Network,
-            local_competes: bool) -> tuple[float, list[float]]:
-    """(predicted exposed seconds, each bucket's chain seconds) of `plan`."""
+            local_competes: bool, shapes: Sequence[Shapes | None] | None = None) -> tuple[float, list[float]]:
+    """(predicted exposed seconds, each bucket's chain seconds) of `plan`; `shapes`: each bucket's matrices
+    (needed by a powersgd choice)."""
     chains, local = [], 0.0
-    for n, choice in zip(sizes, plan):
-        ex = describe(n, choice, net.layout)
+    for i, (n, choice) in enumerate(zip(sizes, plan)):
+        ex = describe(n, choice, net.layout, _shapes_at(shapes, i))
         chains.append(net.chain_s(ex))
         local += net.local_s(ex)
     return exposed_s(ready_before_end, chains, local if local_competes else 0.0), chains
@@ -321,40 +353,42 @@ def predict(sizes: Sequence[int], ready_before_end: Sequence[float], plan: Seque
 
 def choose(sizes: Sequence[int], ready_before_end: Sequence[float], net: Network,
            options: Callable[[int], list[Choice]], local_competes: bool,
-           start: Sequence[Choice] | None = None) -> tuple[list[Choice], float]:
+           start: Sequence[Choice] | None = None, shapes: Sequence[Shapes | None] | None = None
+           ) -> tuple[list[Choice], float]:
     """The plan with the least predicted exposed time, and that time.
 
     Coordinate descent (largest buckets first) from `start` (default all dense) and from every uniform plan
     (each candidate on every bucket that has it): with many small buckets no single bucket's move may clear
     the margin while moving them all does. Another start's plan replaces the first one's only if it is
-    predicted faster by the margin, so ties stay with `start`."""
+    predicted faster by the margin, so ties stay with `start`. `shapes`: each bucket's powersgd matrices (a
+    bucket without any never takes powersgd)."""
     first = list(start) if start is not None else [DENSE] * len(sizes)
-    plan, best = _descend(sizes, ready_before_end, net, options, local_competes, first)
+    plan, best = _descend(sizes, ready_before_end, net, options, local_competes, first, shapes)
     uniform = {c: None for n in sizes for c in options(n)}  # ordered, no duplicates
     for choice in uniform:
-        trial = [choice if choice in options(n) else DENSE for n in sizes]
+        trial = [choice if offered(choice, i, n, options, shapes) else DENSE for i, n in enumerate(sizes)]
         if trial == first:
             continue
-        other, t = _descend(sizes, ready_before_end, net, options, local_competes, trial)
+        other, t = _descend(sizes, ready_before_end, net, options, local_competes, trial, shapes)
         if t < best - MARGIN * best - 1e-4:
             plan, best = other, t
     return plan, best
 
 
 def _descend(sizes: Sequence[int], ready_before_end: Sequence[float], net: Network,
-             options: Callable[[int], list[Choice]], local_competes: bool, plan: list[Choice]
-             ) -> tuple[list[Choice], float]:
+             options: Callable[[int], list[Choice]], local_competes: bool, plan: list[Choice],
+             shapes: Sequence[Shapes | None] | None = None) -> tuple[list[Choice], float]:
     """Coordinate descent from `plan`: a bucket changes only for a predicted saving above the margin."""
-    best, _ = predict(sizes, ready_before_end, plan, net, local_competes)
+    best, _ = predict(sizes, ready_before_end, plan, net, local_competes, shapes)
     order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
     for _ in range(3):
         changed = False
         for i in order:
             for choice in options(sizes[i]):
-                if choice == plan[i]:
+                if choice == plan[i] or not offered(choice, i, sizes[i], options, shapes):
                     continue
                 trial = plan[:i] + [choice] + plan[i + 1:]
-                t, _ = predict(sizes, ready_before_end, trial, net, local_competes)
+                t, _ = predict(sizes, ready_before_end, trial, net, local_competes, shapes)
                 if t < best - MARGIN * best - 1e-4:
                     plan, best, changed = trial, t, True
         if not changed:

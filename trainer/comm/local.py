@@ -11,7 +11,10 @@ The rules (docs/communicators.md, "local"):
   (`comm.outer_lr`, Nesterov `comm.outer_momentum`; torch.optim.SGD) moves the anchor, and every rank copies it.
   The BatchNorm statistics and the optimizer's per-element state (momentum, Adam's moments) are averaged too, in
   fp32, so a round starts from one state on every rank; H = 1 with outer_lr 1, outer_momentum 0 is data-parallel
-  SGD, with or without momentum.
+  SGD, with or without momentum. `comm.local_state: keep` leaves each rank its own optimizer state (DiLoCo).
+- `comm.local_density` < 1 (SparseLoCo): each rank adds its residual to its pseudo-gradient, sends its top-k
+  (value, index) pairs to every rank (one allgather) and keeps the rest as its new residual; the average of the
+  gathered pairs is what the outer step takes, the same on every rank.
 - The ranks agree on every step's non-finite gradients (one 1-element allreduce per step): when any rank's
   overflow, every rank's gradients are marked so. Under a loss scaler every rank then skips, so the scale stays
   equal everywhere and a checkpoint's scaler is every rank's; without one, every rank stops at the same step.
@@ -19,8 +22,9 @@ The rules (docs/communicators.md, "local"):
   gradient on some rank leaves its state missing there) and stops every rank together, naming it, if not.
 - The moving average of the weights (train.ema_decay) folds in the synchronised weights once per round.
 - A checkpoint mid-round holds, per rank, the anchor, the outer optimizer's state and this rank's own weights,
-  BatchNorm statistics and optimizer state: a resume on the same ranks restores the round. On another world size
-  that per-rank state is dropped and a new round starts from the checkpoint's weights (rank 0's).
+  BatchNorm statistics and optimizer state (under `local_state: keep` at every checkpoint), and the top-k residual:
+  a resume on the same ranks restores the round. On another world size that per-rank state is dropped and a new
+  round starts from the checkpoint's weights (rank 0's), with no residual.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import mstopk_warm_up
 from trainer.comm.base import NO_BYTES, Communicator
 from trainer.comm.config import CommConfig
-from trainer.comm.cost import describe_local, exchange_bytes, layout_of
-from trainer.comm.execute import WIRE_DTYPES
+from trainer.comm.cost import describe_local, exchange_bytes, k_of, layout_of
+from trainer.comm.execute import SELECTIONS, WIRE_DTYPES
+from trainer.comm.sparse import scatter_payloads, select_payload
 from trainer.dist import Topology
 
 class LocalSGD(Communicator):
@@ -48,9 +54,17 @@ class LocalSGD(Communicator):
         self.every, self.optimizer, self.warmup = cfg.local_steps, optimizer, cfg.dense_warmup_steps
         self.outer_lr, self.outer_momentum = cfg.outer_lr, cfg.outer_momentum
         self.wire = WIRE_DTYPES[cfg.compression]
+        self.density, self.keep_state, self.iters = cfg.local_density, cfg.local_state == "keep", cfg.selection_iters
+        self.selection = "mstopk" if cfg.selection == "auto" else cfg.selection
+        self.measure_selection = cfg.selection == "auto" and self.density < 1
+        self.residual: torch.Tensor | None = None
+        """local_density < 1: what this rank's top-k left unsent (error feedback, checkpointed)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
                         for b in (m.running_mean, m.running_var) if b is not None]
+        if self.density < 1:  # compile the selection now, not inside the first synchronisation
+            n = sum(p.numel() for p in self.params)
+            mstopk_warm_up(topo.device, [(n, k_of(n, self.density))], self.iters)
         self.layout = layout_of(topo)
         self.since_sync = 0
         """Steps of the open round (checkpointed)."""
@@ -91,6 +105,23 @@ class LocalSGD(Communicator):
         """The epoch's end: synchronise an open round now; its stats, or None when no round was open."""
         return self.sync() if self.since_sync > 0 else None
 
+    # ------------------------------------------------------------ top-k selection (trainer/choices.py)
+
+    def selection_sizes(self) -> dict[tuple[int, float], float]:
+        """The one selection of a synchronisation: 1/H per step (the warm-up's and the epochs' ends' extra
+        synchronisations are not counted: this weighs the candidates, it does not predict the run)."""
+        return {(sum(p.numel() for p in self.params), self.density): 1 / self.every} if self.density < 1 else {}
+
+    def selection_candidates(self) -> list[str]:
+        if self.density >= 1:
+            return []
+        return list(SELECTIONS) if self.measure_selection else [self.selection]
+
+    def use_selection(self, selection: str) -> None:
+        if selection not in SELECTIONS:
+            raise ValueError(f"comm.selection: {selection!r} is not one of {SELECTIONS}")
+        self.selection = selection
+
     # ------------------------------------------------------------ the synchronisation
 
     def new_round(self) -> None:
@@ -105,6 +136,11 @@ class LocalSGD(Communicator):
         lists the same ones (the ranks take the same steps: skips are agreed)."""
         return [value for p in self.params for value in self.optimizer.state.get(p, {}).values()
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == p.shape]
+
+    def averaged_state(self) -> list[torch.Tensor]:
+        """What a synchronisation averages besides the weights: the BatchNorm statistics, and the optimizer's
+        per-element state unless each rank keeps its own."""
+        return self.buffers + ([] if self.keep_state else self.per_element_state())
 
     def check_same_state(self, state: list[torch.Tensor]) -> None:
         """Stop every rank together, in words, when the ranks' state tensors differ in number or size (the
@@ -126,19 +162,21 @@ class LocalSGD(Communicator):
         with torch.no_grad():
             delta = torch._foreach_sub(self.anchor, [p.detach() for p in self.params])
             flat = torch.cat([d.reshape(-1) for d in delta])
-            wire = flat if self.wire is None else flat.to(self.wire)
-            self.topo.world.all_reduce_(wire, "all-reduce of the pseudo-gradient")
-            averaged = wire.float().div_(world)  # fp32 already without a 16-bit wire: no copy
+            if self.density < 1:
+                averaged, sent_k = self.sparse_average(flat), k_of(flat.numel(), self.density)
+                wire_bytes = 4
+            else:
+                wire = flat if self.wire is None else flat.to(self.wire)
+                self.topo.world.all_reduce_(wire, "all-reduce of the pseudo-gradient")
+                averaged, sent_k, wire_bytes = wire.float().div_(world), 0, wire.element_size()
             if not bool(torch.isfinite(averaged).all()):  # the sum of every rank's: all ranks stop together
-                raise FloatingPointError(
-                    f"comm.kind local: the averaged pseudo-gradient at step {self.steps} is not finite (a rank's "
-                    "weights diverged during the round); the newest checkpoint holds finite weights")
+                self.diverged()
             for a, g in zip(self.anchor, averaged.split([a.numel() for a in self.anchor])):
                 a.grad = g.view_as(a)
             self.outer.step()
             self.outer.zero_grad(set_to_none=True)  # views of the averaged buffer: not kept for a round
             torch._foreach_copy_([p.detach() for p in self.params], self.anchor)
-            state = self.buffers + self.per_element_state()
+            state = self.averaged_state()
             self.check_same_state(state)
             if state:
                 both = torch.cat([t.detach().float().reshape(-1) for t in state])
@@ -146,13 +184,34 @@ class LocalSGD(Communicator):
                 both.div_(world)
                 for t, mean in zip(state, both.split([t.numel() for t in state])):
                     t.copy_(mean.view_as(t))
-        sent, inter = exchange_bytes(describe_local(wire.numel(), sum(t.numel() for t in state), self.layout,
-                                                    wire.element_size()), self.layout)
+        sent, inter = exchange_bytes(describe_local(flat.numel(), sum(t.numel() for t in state), self.layout,
+                                                    wire_bytes, k=sent_k), self.layout)
         # per step of the round, as every step reports it until the next synchronisation: a log step samples
         # the rate whether or not it synchronised
         self.per_step = {"bytes_sent": sent / self.since_sync, "bytes_inter_node": inter / self.since_sync}
         self.since_sync = 0
         return {**NO_BYTES, **self.per_step, "wait_s": time.perf_counter() - start}
+
+    def diverged(self) -> None:
+        """Stop (every rank calls it at the same synchronisation: the finiteness it tests is every rank's)."""
+        raise FloatingPointError(
+            f"comm.kind local: the pseudo-gradient at step {self.steps} is not finite (a rank's weights diverged "
+            "during the round); the newest checkpoint holds finite weights")
+
+    def sparse_average(self, flat: torch.Tensor) -> torch.Tensor:
+        """The average over the ranks of each rank's top-k of `flat` plus its residual (`flat` is overwritten: it
+        becomes the new residual, what was not sent)."""
+        world = self.topo.world
+        if self.residual is not None:
+            flat.add_(self.residual)
+        # a rank's non-finite values would stop its selection alone and leave the others waiting in the allgather
+        bad = (~torch.isfinite(flat.sum())).float().reshape(1)
+        if world.all_reduce_(bad, "all-reduce of the pseudo-gradient's non-finite flag").item():
+            self.diverged()
+        payload = select_payload(flat, k_of(flat.numel(), self.density), self.iters, self.selection)
+        self.residual = flat
+        gathered = world.all_gather(payload, "all-gather of the pseudo-gradient's top-k pairs")
+        return scatter_payloads(gathered, self.topo.world_size, flat.numel()).div_(self.topo.world_size)
 
     # ------------------------------------------------------------ state
 
@@ -164,13 +223,13 @@ class LocalSGD(Communicator):
             return {"steps": self.steps, "since_sync": 0, "round": None}
         momentum = [self.outer.state[a].get("momentum_buffer") for a in self.anchor]
         mine = None
-        if self.since_sync > 0:
+        if self.since_sync > 0 or self.keep_state:  # the replicas differ, or their optimizer states do
             mine = {"params": host(self.params), "buffers": host(self.buffers),
                     "optimizer": host(self.per_element_state())}
         return {"steps": self.steps, "since_sync": self.since_sync,
                 "round": {"anchor": host(self.anchor),
                           "outer_momentum": host(momentum) if all(m is not None for m in momentum) else None,
-                          "mine": mine}}
+                          "mine": mine, "residual": None if self.residual is None else host([self.residual])[0]}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s state (after the checkpoint's model and optimizer state are loaded); without a
@@ -178,7 +237,7 @@ class LocalSGD(Communicator):
         self.steps = state["steps"]
         saved = state.get("round")
         if saved is None:
-            self.anchor, self.outer, self.since_sync = None, None, 0
+            self.anchor, self.outer, self.since_sync, self.residual = None, None, 0, None
             return
         self.new_round()
         assert self.anchor is not None and self.outer is not None
@@ -187,6 +246,8 @@ class LocalSGD(Communicator):
                 a.copy_(kept)
             for a, kept in zip(self.anchor, saved["outer_momentum"] or []):
                 self.outer.state[a]["momentum_buffer"] = kept.to(a.device, copy=True)
+            residual = saved.get("residual")  # dropped when this run sends the whole pseudo-gradient
+            self.residual = None if residual is None or self.density >= 1 else residual.to(self.topo.device, copy=True)
             mine = saved["mine"]
             if mine is not None:
                 live = self.params + self.buffers + self.per_element_state()

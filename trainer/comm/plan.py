@@ -24,7 +24,11 @@ COMPRESSED = (*SPARSE, "powersgd")
 """The lossy kinds, each with error feedback: a fixed plan leaves buckets below `comm.dense_below` dense."""
 
 AUTO_KINDS = ("dense", "dense16", *SPARSE)
-"""The kinds `comm.kind: auto` chooses among per bucket (the cost model predicts them from a bucket's size alone)."""
+"""The kinds `comm.kind: auto` chooses among per bucket by default (`comm.auto_kinds`; the cost model predicts
+them from a bucket's size alone)."""
+
+AUTO_CHOOSABLE = (*AUTO_KINDS, "powersgd")
+"""The kinds `comm.auto_kinds` may list: powersgd too, priced from the (rows, cols, rank) of a bucket's matrices."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from trainer.comm.cost import (Collective, Layout, Link, Network, Selection, candidates, choose, describe_local,
-                               predict, with_inter_rate)
+                               k_of, predict, with_inter_rate)
 from trainer.comm.plan import DENSE, Choice, fixed_plan
 
 # ---------------------------------------------------------------- published figures and stated assumptions
@@ -165,20 +165,26 @@ class Strategy:
     """local: optimizer state elements averaged per parameter at a synchronisation (SGD/LARS 1, Adam 2)."""
     wire_bytes: int = 4
     """local: bytes per pseudo-gradient element on the wire (2: bf16)."""
+    local_density: float = 1.0
+    """local: the fraction of the pseudo-gradient sent as top-k pairs (1: all of it, allreduced)."""
 
     @property
     def label(self) -> str:
-        return self.choice.label if self.choice is not None else f"local H={self.local_steps}" \
-            if self.local_steps else "auto"
+        if self.choice is not None:
+            return self.choice.label
+        if not self.local_steps:
+            return "auto"
+        return f"local H={self.local_steps}" + (f" top-k {self.local_density:g}" if self.local_density < 1 else "")
 
     def step_s(self, forward_s: float, backward_s: float, model: ModelSpec, net: Network) -> tuple[float, list[Choice]]:
         """One step's seconds and each bucket's choice (local: none; its synchronisation, which nothing hides, is
         spread over the H steps of a round, plus every step's 1-element allreduce of the non-finite flag; the
         rounds an epoch's end cuts short are not counted: at most one more synchronisation per epoch)."""
         if self.local_steps:
-            sync = describe_local(model.params, self.state_per_param * model.params, net.layout, self.wire_bytes)
+            k = k_of(model.params, self.local_density) if self.local_density < 1 else 0
+            sync = describe_local(model.params, self.state_per_param * model.params, net.layout, self.wire_bytes, k)
             flag = net.collective_s(Collective("allreduce", 4, "world"))
-            return forward_s + backward_s + flag + net.network_s(sync) / self.local_steps, []
+            return forward_s + backward_s + flag + net.chain_s(sync) / self.local_steps, []
         plan = self.plan(model, backward_s, net)
         return step_seconds(forward_s, backward_s, model, plan, net), plan
 
@@ -211,8 +217,9 @@ def strategies(comm: Any, densities: Sequence[float], state_per_param: int = 1) 
     out = [Strategy(DENSE, comm.dense_below), Strategy(Choice("dense16"), comm.dense_below)]
     out += [Strategy(Choice(kind, d), comm.dense_below) for kind in ("topk", "hitopk") for d in safe]
     if comm.kind == "local":
-        out.insert(0, Strategy(None, comm.dense_below, local_steps=comm.local_steps, state_per_param=state_per_param,
-                               wire_bytes=2 if comm.compression == "bf16" else 4))
+        out.insert(0, Strategy(None, comm.dense_below, local_steps=comm.local_steps,
+                               state_per_param=0 if comm.local_state == "keep" else state_per_param,
+                               wire_bytes=2 if comm.compression == "bf16" else 4, local_density=comm.local_density))
     return out + [Strategy(None, comm.dense_below, tuple(d for d in comm.densities if d >= comm.min_density))]
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 from trainer.comm.config import CommConfig
-from trainer.comm.cost import DENSE, MARGIN, Choice, Network, choose, describe, plan_summary, predict
+from trainer.comm.cost import DENSE, MARGIN, Choice, Network, Shapes, choose, describe, offered, plan_summary, predict
 from trainer.comm.plan import Plan
 
 HOLD_CHECKS = 5
@@ -89,11 +89,13 @@ class Policy:
     window of each action's steps."""
 
     def __init__(self, cfg: CommConfig, sizes: Sequence[int], options: Callable[[int], list[Choice]],
-                 local_competes: bool) -> None:
+                 local_competes: bool, shapes: Sequence[Shapes | None] | None = None) -> None:
         self.cfg = cfg
         self.sizes = list(sizes)
         self.options = options
         """The candidate exchanges of a bucket of n elements (`cost.candidates`)."""
+        self.shapes = list(shapes) if shapes is not None else None
+        """Per bucket, the matrices powersgd would compress (`cost.Shapes`; None: no bucket may take it)."""
         self.local_competes = local_competes
         """The exchange's local work runs on the cores backward needs (a CPU)."""
         self.net: Network | None = None
@@ -149,11 +151,11 @@ class Policy:
     def _trial_plans(self) -> list[Plan]:
         """The model's plan, then the uniform plans (one candidate on every bucket that has it) it predicts
         faster than all dense, fastest first: at most `MAX_TRIALS`, none if the model's plan is all dense."""
-        plan, _ = choose(self.sizes, self.ready, self.net, self.options, self.local_competes)
+        plan, _ = choose(self.sizes, self.ready, self.net, self.options, self.local_competes, shapes=self.shapes)
         if tuple(plan) == self.dense:
             return []
         dense_s = self._predicted(self.dense)
-        uniform = [tuple(c if c in self.options(n) else DENSE for n in self.sizes)
+        uniform = [tuple(c if offered(c, i, n, self.options, self.shapes) else DENSE for i, n in enumerate(self.sizes))
                    for c in {c: None for n in self.sizes for c in self.options(n)}]
         out = [tuple(plan)]
         for other in sorted(uniform, key=self._predicted):
@@ -211,7 +213,7 @@ class Policy:
         # the bucket whose chain measured longest in the reference: a small bucket's time is mostly the wait for
         # its peers (not the model's longest: one link scale, from the large bucket's bytes, also scales a small
         # bucket's latency, and can make it the longest predicted when it measures a tenth)
-        predicted = predict(self.sizes, self.ready, self.plan, self.net, self.local_competes)[1]
+        predicted = predict(self.sizes, self.ready, self.plan, self.net, self.local_competes, self.shapes)[1]
         top = max(range(len(chain)), key=lambda i: reference[i])
         ratio = chain[top] / reference[top] if reference[top] > 0 else 1.0
         # a move counts when two windows in a row moved the same way: one noisy window does not re-decide
@@ -246,8 +248,8 @@ class Policy:
                 net = dataclasses.replace(self.net, net_scale=_clamp(self.net.net_scale * ratio))
                 if recheck:  # the window's purpose: the model follows the links whatever comes next
                     self.net = net
-                other, t = choose(self.sizes, self.ready, net, self.options, self.local_competes)
-                was = predict(self.sizes, self.ready, plan, net, self.local_competes)[0]
+                other, t = choose(self.sizes, self.ready, net, self.options, self.local_competes, shapes=self.shapes)
+                was = predict(self.sizes, self.ready, plan, net, self.local_competes, self.shapes)[0]
                 if tuple(other) not in (plan, self.dense) and t < (1 - h) * was:
                     self.net, self._reference = net, None
                     self._use(tuple(other))
@@ -284,7 +286,7 @@ class Policy:
         if not moved or self.dense_hold > 0:
             return self._action("keep")
         current = self._predicted(self.plan)
-        plan, t = choose(self.sizes, self.ready, self.net, self.options, self.local_competes)
+        plan, t = choose(self.sizes, self.ready, self.net, self.options, self.local_competes, shapes=self.shapes)
         if t < (1 - h) * current:
             self._reference = None  # the new plan's first window is its reference
             self._use(tuple(plan))
@@ -298,7 +300,7 @@ class Policy:
         return (DENSE,) * len(self.sizes)
 
     def _predicted(self, plan: Sequence[Choice]) -> float:
-        return predict(self.sizes, self.ready, plan, self.net, self.local_competes)[0]
+        return predict(self.sizes, self.ready, plan, self.net, self.local_competes, self.shapes)[0]
 
     def _use(self, plan: Sequence[Choice]) -> None:
         """Make `plan` the current one; a different plan's drift is judged against its own first window."""

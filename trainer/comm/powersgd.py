@@ -20,6 +20,7 @@ docs/communicators.md describes the kind.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -116,6 +117,26 @@ def orthogonalise(m: torch.Tensor) -> torch.Tensor:
             rest = m[:, i + 1:]
             rest -= (col * rest).sum(dim=0, keepdim=True) * col
     return m
+
+
+def factor_work(flat: torch.Tensor, view: BucketView) -> Callable[[], None]:
+    """One step's local work on a bucket's matrices without its collectives (P = M Q, orthogonalise P,
+    Q = M^T P, M_hat = P Q^T, orthogonalise the next Q), reading `flat` and writing scratch tensors: what `auto`
+    times to price powersgd."""
+    mats = [flat[m.offset:m.offset + m.rows * m.cols].float().view(m.rows, m.cols) for m in view.matrices]
+    generator = torch.Generator().manual_seed(SEED)
+    qs = [torch.randn(m.cols, m.rank, generator=generator).to(flat.device) for m in view.matrices]
+    ps = [flat.new_empty(m.rows, m.rank, dtype=torch.float32) for m in view.matrices]
+    outs = [torch.empty_like(mat) for mat in mats]
+
+    def run() -> None:
+        for mat, p, q, out in zip(mats, ps, qs, outs):
+            torch.matmul(mat, q, out=p)
+            orthogonalise(p)
+            torch.matmul(mat.t(), p, out=q)
+            torch.matmul(p, q.t(), out=out)
+            orthogonalise(q)
+    return run
 
 
 class PowerSGDExecution:
