@@ -278,6 +278,7 @@ def _resume(rank: int, warm: bool) -> None:
     comm_b.detach()
 
 
+@pytest.mark.long
 def test_auto_with_powersgd_resumes_bitwise_and_a_skipped_step_leaves_no_trace(tmp_path):
     """With and without warm start."""
     run_ranks(_resumes, 4, tmp_path, timeout=300)
