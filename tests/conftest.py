@@ -11,6 +11,7 @@ test without a tier stops the collection, naming it."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sys
@@ -62,6 +63,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         keep = [item for item in items if tier_of(item) in wanted]
         config.hook.pytest_deselected(items=[item for item in items if tier_of(item) not in wanted])
         items[:] = keep
+
+
+def as_from_file(state: Any) -> Any:
+    """`state` saved with torch.save and read back weights-only, as a checkpoint file gives it: no tensor
+    shared with the live object."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
 
 
 def run_ranks(fn: Callable, world: int, tmp_path: Path, *args: Any, timeout: float = 120.0) -> list[Any]:

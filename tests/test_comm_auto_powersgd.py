@@ -6,14 +6,13 @@ place residuals and gradients in bucket order tests/test_comm_auto.py's."""
 
 from __future__ import annotations
 
-import io
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from recipes.resnet50 import Config
-from tests.conftest import run_ranks
+from tests.conftest import as_from_file, run_ranks
 from tests.test_comm_auto import backward_with, bucket_flat, placed_residuals
 from tests.test_comm_powersgd import BUCKET_MB, PHASE, Params, grads_of
 from trainer.comm import AutoCommunicator, CommConfig, build_communicator
@@ -237,10 +236,7 @@ def _resume(rank: int, warm: bool) -> None:
     for step in (3, 4):
         backward_with(straight, grads_of(rank, step))
         comm_a.finish()
-    buffer = io.BytesIO()
-    torch.save(comm_a.state_dict(), buffer)
-    buffer.seek(0)
-    state = torch.load(buffer, weights_only=True)
+    state = as_from_file(comm_a.state_dict())
     squeezed = [i for i, s in enumerate(comm_a.shapes) if s]
     assert bool(state["powersgd"]["q"]) == warm and state["powersgd"]["draws"] == len(squeezed) * (1 if warm else 2)
     comm_a.detach()

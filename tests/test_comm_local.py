@@ -7,7 +7,6 @@ a 2-rank recipe run stopped mid-round by a SIGTERM resumes to the uninterrupted 
 from __future__ import annotations
 
 import copy
-import io
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import run_ranks
+from tests.conftest import as_from_file, run_ranks
 from trainer.comm import CommConfig, LocalSGD, build_communicator
 from trainer.config import ConfigError
 from trainer.dist import DistConfig, setup_distributed
@@ -171,10 +170,7 @@ def _sparse_round_restores(rank: int, world: int) -> None:
     comm_a = build_communicator(cfg, straight, topo, opt_a)
     for step in range(6):  # synchronisations at steps 3 and 6: saved between rounds, the replicas equal
         train_step(straight, opt_a, comm_a, rank, step)
-    buffer = io.BytesIO()
-    torch.save(comm_a.state_dict(), buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
+    saved = as_from_file(comm_a.state_dict())
     assert saved["since_sync"] == 0 and saved["round"]["residual"] is not None
     restored = net(batchnorm=True)
     restored.load_state_dict(gathered_state_of_rank0(topo, straight))
@@ -193,6 +189,15 @@ def _sparse_round_restores(rank: int, world: int) -> None:
     assert torch.equal(comm_a.residual, comm_b.residual)
 
 
+def synchronisation_error(comm, optimizer: torch.optim.Optimizer, error: type[Exception], match: str) -> str:
+    """After a backward: finish the step, take it, and expect the round's synchronisation to raise; its message."""
+    comm.finish()
+    optimizer.step()
+    with pytest.raises(error, match=match) as raised:
+        comm.end_step()
+    return str(raised.value)
+
+
 def _a_diverged_rank_stops_every_rank(rank: int, world: int) -> str:
     topo = setup_distributed(DistConfig())
     model = net()
@@ -208,11 +213,7 @@ def _a_diverged_rank_stops_every_rank(rank: int, world: int) -> str:
     with torch.no_grad():
         for p in model.parameters():
             p.grad = torch.nan_to_num(p.grad)
-    comm.finish()
-    optimizer.step()
-    with pytest.raises(FloatingPointError, match="not finite") as raised:
-        comm.end_step()
-    return str(raised.value)
+    return synchronisation_error(comm, optimizer, FloatingPointError, "not finite")
 
 
 @pytest.mark.dist
@@ -262,10 +263,7 @@ def _skips_agree_and_state_restores(rank: int, world: int) -> None:
     comm_a = build_communicator(cfg, straight, topo, opt_a)
     for step in range(6):  # a synchronisation at step 4, then two steps into the next round
         train_step(straight, opt_a, comm_a, rank, step)
-    buffer = io.BytesIO()
-    torch.save(comm_a.state_dict(), buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
+    saved = as_from_file(comm_a.state_dict())
     assert saved["since_sync"] == 2 and saved["round"]["mine"] is not None
     restored = net(batchnorm=True)  # the checkpoint's model file is rank 0's: the round's own state restores
     restored.load_state_dict(gathered_state_of_rank0(topo, straight))
@@ -335,11 +333,7 @@ def _a_parameter_without_a_gradient_on_one_rank(rank: int, world: int) -> str:
     comm = build_communicator(CommConfig(kind="local", local_steps=1), model, topo, optimizer)
     x, _ = batch(rank, 0)
     (model(x).sum() if rank == 0 else model[0](x).sum()).backward()  # rank 1 leaves the last layer out
-    comm.finish()
-    optimizer.step()
-    with pytest.raises(RuntimeError, match="the ranks hold different optimizer state") as raised:
-        comm.end_step()
-    return str(raised.value)
+    return synchronisation_error(comm, optimizer, RuntimeError, "the ranks hold different optimizer state")
 
 
 @pytest.mark.dist

@@ -8,7 +8,6 @@ gradients as views of the buffer, is_last) built from the same gradients in the 
 
 from __future__ import annotations
 
-import io
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 from recipes.resnet50 import Config
-from tests.conftest import run_ranks
+from tests.conftest import as_from_file, run_ranks
 from trainer.comm import CommConfig, PowerSGDCommunicator, build_communicator
 from trainer.comm.cost import Layout, describe, exchange_bytes
 from trainer.comm.plan import CODES, KINDS, Choice, fixed_plan
@@ -193,10 +192,7 @@ def _resume_and_roll_back(rank: int, warm: bool) -> None:
     for step in range(3):
         backward_with(straight, grads_of(rank, step))
         comm_a.finish()
-    buffer = io.BytesIO()
-    torch.save(comm_a.state_dict(), buffer)
-    buffer.seek(0)
-    state = torch.load(buffer, weights_only=True)
+    state = as_from_file(comm_a.state_dict())
     assert set(state) == {"steps", "residuals", "powersgd"} and state["steps"] == 3
     # 4 compressed buckets, 2 compressed steps: one draw per bucket, or per bucket and step
     assert bool(state["powersgd"]["q"]) == warm and state["powersgd"]["draws"] == (4 if warm else 8)

@@ -49,6 +49,9 @@ def make_buckets(params: list[nn.Parameter], bucket_mb: float) -> list[Bucket]:
     return buckets
 
 
+SELECTIONS = ("mstopk", "torch")
+"""The values of `comm.selection` besides auto: MSTopK's threshold bisection, or `torch.topk` (exact)."""
+
 NO_BYTES = {"bytes_sent": 0.0, "bytes_inter_node": 0.0, "wait_s": 0.0, "select_s": 0.0, "density": 1.0}
 """The stats of a step that exchanged nothing."""
 
@@ -102,10 +105,17 @@ class Communicator:
         """Values to log once rather than every step (a calibration), cleared by the call."""
         return {}
 
+    selection = "mstopk"
+    """How the k largest are found (`SELECTIONS`), for a kind that selects."""
+    measure_selection = False
+    """Whether `comm.selection` is auto: the Trainer measures the candidates and sets one (`use_selection`)."""
+
     def selection_candidates(self) -> list[str]:
-        """`comm.selection`'s values to measure on this run (trainer/choices.py); a single value when pinned or
-        when nothing is selected."""
-        return []
+        """`comm.selection`'s values to measure on this run (trainer/choices.py): none when nothing is selected,
+        a single value when pinned."""
+        if not self.selection_sizes():
+            return []
+        return list(SELECTIONS) if self.measure_selection else [self.selection]
 
     def selection_sizes(self) -> dict[tuple[int, float], float]:
         """(elements, density) of the top-k selections a step may make -> how many per step (a fraction for a
@@ -114,6 +124,9 @@ class Communicator:
 
     def use_selection(self, selection: str) -> None:
         """Select top-k pairs by `selection` from now on."""
+        if selection not in SELECTIONS:
+            raise ValueError(f"comm.selection: {selection!r} is not one of {SELECTIONS}")
+        self.selection = selection
 
     # ------------------------------------------------------------ state (error feedback lives here)
 

@@ -34,9 +34,6 @@ from trainer.dist import Group, Topology
 WIRE_DTYPES: dict[Compression, torch.dtype | None] = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 """`comm.compression` -> the dtype gradients travel in (None: their own)."""
 
-SELECTIONS = ("mstopk", "torch")
-"""The values of `comm.selection` besides auto: MSTopK's threshold bisection, or `torch.topk` (exact)."""
-
 
 class Execution(Protocol):
     """How the buckets of one kind are exchanged."""
@@ -189,20 +186,10 @@ class PlanExecutor(Communicator):
 
     # ------------------------------------------------------------ selection (trainer/choices.py)
 
-    def selection_candidates(self) -> list[str]:
-        if not self.selection_sizes():  # nothing is selected here (hitopk on one node): no choice to keep
-            return []
-        return list(SELECTIONS) if self.measure_selection else [self.selection]
-
     def selection_sizes(self) -> dict[tuple[int, float], int]:
         """(elements, density) of every selection a step of the plan makes -> how many a step makes."""
         return dict(Counter((s[0], c.density) for b, c in zip(self.buckets, self.plan)
                             if (s := self.selection_size(c, b.numel)) is not None))
-
-    def use_selection(self, selection: str) -> None:
-        if selection not in SELECTIONS:
-            raise ValueError(f"comm.selection: {selection!r} is not one of {SELECTIONS}")
-        self.selection = selection
 
     # ------------------------------------------------------------ hooks, order, launch
 

@@ -39,7 +39,7 @@ from kernels import mstopk_warm_up
 from trainer.comm.base import NO_BYTES, Communicator
 from trainer.comm.config import CommConfig
 from trainer.comm.cost import describe_local, exchange_bytes, k_of, layout_of
-from trainer.comm.execute import SELECTIONS, WIRE_DTYPES
+from trainer.comm.execute import WIRE_DTYPES
 from trainer.comm.sparse import scatter_payloads, select_payload
 from trainer.dist import Topology
 
@@ -56,7 +56,7 @@ class LocalSGD(Communicator):
         self.wire = WIRE_DTYPES[cfg.compression]
         self.density, self.keep_state, self.iters = cfg.local_density, cfg.local_state == "keep", cfg.selection_iters
         self.selection = "mstopk" if cfg.selection == "auto" else cfg.selection
-        self.measure_selection = cfg.selection == "auto" and self.density < 1
+        self.measure_selection = cfg.selection == "auto"
         self.residual: torch.Tensor | None = None
         """local_density < 1: what this rank's top-k left unsent (error feedback, checkpointed)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -111,16 +111,6 @@ class LocalSGD(Communicator):
         """The one selection of a synchronisation: 1/H per step (the warm-up's and the epochs' ends' extra
         synchronisations are not counted: this weighs the candidates, it does not predict the run)."""
         return {(sum(p.numel() for p in self.params), self.density): 1 / self.every} if self.density < 1 else {}
-
-    def selection_candidates(self) -> list[str]:
-        if self.density >= 1:
-            return []
-        return list(SELECTIONS) if self.measure_selection else [self.selection]
-
-    def use_selection(self, selection: str) -> None:
-        if selection not in SELECTIONS:
-            raise ValueError(f"comm.selection: {selection!r} is not one of {SELECTIONS}")
-        self.selection = selection
 
     # ------------------------------------------------------------ the synchronisation
 
