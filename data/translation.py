@@ -324,14 +324,18 @@ class TranslationBatch:
     src: torch.Tensor
     tgt_in: torch.Tensor
     tgt_out: torch.Tensor
+    tokens: int | None = None
+    """num_tokens, counted where the batch was still on the host; None: count it from tgt_out."""
 
     @property
     def num_tokens(self) -> int:
         """Target tokens (EOS included), the unit of loss normalization and of tokens/s (as fairseq's wps)."""
-        return int((self.tgt_out != PAD).sum())
+        return int((self.tgt_out != PAD).sum()) if self.tokens is None else self.tokens
 
     def to(self, device: torch.device) -> TranslationBatch:
-        return TranslationBatch(*(t.to(device, non_blocking=True) for t in (self.src, self.tgt_in, self.tgt_out)))
+        """The batch on `device`, its token count taken before the copy (read from a GPU it is a host sync)."""
+        return TranslationBatch(*(t.to(device, non_blocking=True) for t in (self.src, self.tgt_in, self.tgt_out)),
+                                tokens=self.num_tokens)
 
 
 def _pad(seqs: list[np.ndarray], prefix: int | None, suffix: int | None) -> torch.Tensor:

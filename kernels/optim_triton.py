@@ -34,6 +34,8 @@ from torch import Tensor
 
 BLOCK = 2048  # elements per program of the elementwise launches
 REDUCE = 128  # partial sums a LARS ratio program adds at once
+# No fused multiply-add: each product rounds on its own, as in the torch ops the kernels reproduce.
+EXACT_FP = {"enable_fp_fusion": False}
 
 
 def dense_alike(*tensors: Tensor) -> bool:
@@ -129,8 +131,9 @@ def _lars_norms(w_addresses, g_addresses, sizes, tensor_of_block, start_of_block
     tl.store(partials + 2 * pid + 1, tl.sum(g * g, axis=0))
 
 
+# A kernel parameter must not be named `options`: Triton's launcher binds its own launch options under that name.
 @triton.jit
-def _lars_ratios(partials, first_block, options, ratios, unclipped,
+def _lars_ratios(partials, first_block, hyper, ratios, unclipped,
                  TRUST_CLIP: tl.constexpr, HAS_MAX: tl.constexpr, REDUCE: tl.constexpr):
     t = tl.program_id(0)
     begin = tl.load(first_block + t)
@@ -145,23 +148,23 @@ def _lars_ratios(partials, first_block, options, ratios, unclipped,
     # Correctly rounded sqrt and division, as torch's kernels: Triton's defaults are approximate on CUDA.
     w_norm = tl.sqrt_rn(tl.sum(w_sq, axis=0))
     g_norm = tl.sqrt_rn(tl.sum(g_sq, axis=0))
-    lr = tl.load(options).to(tl.float32)
-    weight_decay = tl.load(options + 2).to(tl.float32)
-    coefficient = tl.load(options + 3).to(tl.float32)
-    eps = tl.load(options + 4).to(tl.float32)
+    lr = tl.load(hyper).to(tl.float32)
+    weight_decay = tl.load(hyper + 2).to(tl.float32)
+    coefficient = tl.load(hyper + 3).to(tl.float32)
+    eps = tl.load(hyper + 4).to(tl.float32)
     ratio = tl.div_rn(coefficient * w_norm, g_norm + weight_decay * w_norm + eps)
     ratio = tl.where((w_norm > 0) & (g_norm > 0), ratio, 1.0)
     if TRUST_CLIP:
         ratio = tl.minimum(tl.div_rn(ratio, lr), 1.0)
     tl.store(unclipped + t, ratio)
-    ratio = tl.maximum(ratio, tl.load(options + 5).to(tl.float32))
+    ratio = tl.maximum(ratio, tl.load(hyper + 5).to(tl.float32))
     if HAS_MAX:
-        ratio = tl.minimum(ratio, tl.load(options + 6).to(tl.float32))
+        ratio = tl.minimum(ratio, tl.load(hyper + 6).to(tl.float32))
     tl.store(ratios + t, ratio)
 
 
 @triton.jit
-def _lars_update(w_addresses, g_addresses, m_addresses, sizes, tensor_of_block, start_of_block, ratios, options,
+def _lars_update(w_addresses, g_addresses, m_addresses, sizes, tensor_of_block, start_of_block, ratios, hyper,
                  found_inf, EXCLUDE: tl.constexpr, NESTEROV: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
                  BLOCK: tl.constexpr):
     pid, t, offsets, mask = _block(sizes, tensor_of_block, start_of_block, found_inf, HAS_FOUND_INF, BLOCK)
@@ -170,12 +173,12 @@ def _lars_update(w_addresses, g_addresses, m_addresses, sizes, tensor_of_block, 
     w = tl.load(w_ptr, mask=mask)
     g = tl.load(_pointer(g_addresses, t) + offsets, mask=mask)
     m = tl.load(m_ptr, mask=mask)
-    lr = tl.load(options).to(tl.float32)
-    momentum = tl.load(options + 1).to(tl.float32)
+    lr = tl.load(hyper).to(tl.float32)
+    momentum = tl.load(hyper + 1).to(tl.float32)
     if EXCLUDE:
         d = g
     else:
-        d = (g + tl.load(options + 2).to(tl.float32) * w) * tl.load(ratios + t)
+        d = (g + tl.load(hyper + 2).to(tl.float32) * w) * tl.load(ratios + t)
     m = momentum * m + d
     if NESTEROV:
         w = w - lr * (d + momentum * m)
@@ -187,7 +190,7 @@ def _lars_update(w_addresses, g_addresses, m_addresses, sizes, tensor_of_block, 
 
 @triton.jit
 def _adam_update(p_addresses, g_addresses, m_addresses, v_addresses, step_addresses, sizes, tensor_of_block,
-                 start_of_block, options, found_inf, grad_scale, DECOUPLED: tl.constexpr,
+                 start_of_block, hyper, found_inf, grad_scale, DECOUPLED: tl.constexpr,
                  HAS_FOUND_INF: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     pid, t, offsets, mask = _block(sizes, tensor_of_block, start_of_block, found_inf, HAS_FOUND_INF, BLOCK)
     p_ptr = _pointer(p_addresses, t) + offsets
@@ -201,11 +204,11 @@ def _adam_update(p_addresses, g_addresses, m_addresses, v_addresses, step_addres
         g = g / tl.load(grad_scale)
     # Scalars combine in float64 before they meet float32 data, as torch's host-side Python floats do:
     # 1 - 0.999 taken in float32 is off by 1e-5 relative.
-    lr64 = tl.load(options)
-    beta1_64 = tl.load(options + 1)
-    beta2_64 = tl.load(options + 2)
-    eps = tl.load(options + 3).to(tl.float32)
-    weight_decay64 = tl.load(options + 4)
+    lr64 = tl.load(hyper)
+    beta1_64 = tl.load(hyper + 1)
+    beta2_64 = tl.load(hyper + 2)
+    eps = tl.load(hyper + 3).to(tl.float32)
+    weight_decay64 = tl.load(hyper + 4)
     if DECOUPLED:
         p = p * (1 - lr64 * weight_decay64).to(tl.float32)
     else:
@@ -265,16 +268,16 @@ def _lars_step(table: TensorTable, group: dict, found_inf: Tensor | None) -> Ten
         unclipped = torch.empty_like(ratios)
         if table.blocks:
             _lars_norms[(table.blocks,)](w, g, table.sizes, table.tensor_of_block, table.start_of_block, partials,
-                                        BLOCK=BLOCK)
+                                        BLOCK=BLOCK, **EXACT_FP)
         _lars_ratios[(table.tensors,)](partials, table.first_block, options, ratios, unclipped,
                                        TRUST_CLIP=bool(group["trust_clip"]), HAS_MAX=max_ratio is not None,
-                                       REDUCE=REDUCE)
+                                       REDUCE=REDUCE, **EXACT_FP)
     if table.blocks:
         _lars_update[(table.blocks,)](w, g, m, table.sizes, table.tensor_of_block, table.start_of_block,
                                       options if ratios is None else ratios, options,
                                       options if found_inf is None else found_inf,
                                       EXCLUDE=bool(group["lars_exclude"]), NESTEROV=bool(group["nesterov"]),
-                                      HAS_FOUND_INF=found_inf is not None, BLOCK=BLOCK)
+                                      HAS_FOUND_INF=found_inf is not None, BLOCK=BLOCK, **EXACT_FP)
     return unclipped
 
 
@@ -295,6 +298,7 @@ def _adam_step(table: TensorTable, group: dict, found_inf: Tensor | None, grad_s
                                       options, flag, options if grad_scale is None else grad_scale,
                                       DECOUPLED=bool(group.get("decoupled_weight_decay", False)),
                                       HAS_FOUND_INF=found_inf is not None, HAS_SCALE=grad_scale is not None,
-                                      BLOCK=BLOCK)
+                                      BLOCK=BLOCK, **EXACT_FP)
     # After the update, which read the old counts: one launch, ordered after it on the stream.
-    _count_steps[(1,)](steps, table.tensors, flag, HAS_FOUND_INF=found_inf is not None, REDUCE=REDUCE)
+    _count_steps[(1,)](steps, table.tensors, flag, HAS_FOUND_INF=found_inf is not None, REDUCE=REDUCE,
+                       **EXACT_FP)

@@ -246,3 +246,22 @@ def test_the_throughput_floor_holds_for_the_h100_h200_class_scaled_by_pixels_and
     assert harness.throughput_floor("NVIDIA H100 80GB HBM3", 112) == pytest.approx(20000.0)  # a quarter the pixels
     assert harness.throughput_floor("NVIDIA A100-SXM4-80GB", 224) is None
     assert harness.throughput_floor("Tesla V100-SXM2-32GB", 224) is None
+
+
+def test_a_sync_site_names_our_innermost_frame_and_the_synchronising_file():
+    import traceback
+
+    def ours():
+        return traceback.extract_stack()
+
+    site = harness.sync_site(ours(), "/venv/site-packages/torch/cuda/__init__.py", 1270)
+    assert site.startswith("test_gpu_check.py:") and site.endswith(" ours > cuda/__init__.py:1270")
+    outside_repo = [f for f in ours() if not Path(f.filename).resolve().is_relative_to(ROOT)]
+    assert harness.sync_site(outside_repo, "/x/torch/amp/grad_scaler.py", 3) == "amp/grad_scaler.py:3"
+
+
+def test_outside_counts_the_elements_beyond_allclose_and_names_the_worst():
+    ref = [torch.tensor([1.0, 2.0, 0.0]), torch.tensor([4.0])]
+    ours = [torch.tensor([1.0, 2.0 + 1e-5, 1e-9]), torch.tensor([4.0 + 8e-6])]  # 1e-9: inside atol
+    assert not harness.all_close(ours, ref)
+    assert harness.outside(ours, ref) == "2 element(s) outside, the worst |diff| 1.0e-05 at |ref| 2.0e+00"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from data.translation import (BOS, EOS, PAD, TranslationData, TranslationDataConfig, TranslationDataError, collate,
-                              eval_batches, load_manifest, prepare_corpus, token_batches)
+from data.translation import (BOS, EOS, PAD, TranslationBatch, TranslationData, TranslationDataConfig,
+                              TranslationDataError, collate, eval_batches, load_manifest, prepare_corpus, token_batches)
 from data import synthetic_translation as synth
 from recipes.transformer_model import Seq2SeqTransformer, TransformerConfig
 from trainer.decoding import corpus_bleu, evaluate_bleu, greedy_decode
@@ -95,6 +95,10 @@ def test_collate_adds_bos_eos_and_pads():
     assert b.tgt_in.tolist() == [[BOS, 8, PAD], [BOS, 10, 11]]
     assert b.tgt_out.tolist() == [[8, EOS, PAD], [10, 11, EOS]]
     assert b.num_tokens == 5
+    moved = b.to(torch.device("cpu"))
+    assert moved.tokens == 5  # counted before the copy: on a GPU the count would be a host sync each step
+    moved.tgt_out[0, 0] = PAD
+    assert moved.num_tokens == 5 and TranslationBatch(b.src, b.tgt_in, moved.tgt_out).num_tokens == 4
 
 
 # ---------------------------------------------------------------- token batching
