@@ -589,6 +589,11 @@ def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
         return summary(results_dir)
     if name in ("tta_tuning", "tta_ablation"):
         return render_tuning(results_dir, name)
+    if name == "gpu_check":
+        path = results_dir / "gpu_check.json"
+        if not path.exists():
+            return "_No GPU run yet: `scripts/gpu_check.sh` on a CUDA machine prints the rows to record._\n"
+        return "\n".join(gpu_check(json.loads(path.read_text()))) + "\n"
     if name == "cluster_tta_tuning":
         path = results_dir / "cluster_tta_tuning.json"
         if not path.exists():
@@ -640,6 +645,43 @@ def cluster_tta_tuning(runs: list[dict[str, Any]]) -> list[str]:
             + "; ".join(f"{cpu}, {kind}: {n} runs" for (cpu, kind), n in sorted(counts.items()))
             + ". Seconds from the launch (start-up included), on tuning seeds only; a +dirty commit ran with changes "
             "not yet committed (the next commit holds them)."]
+
+
+def gpu_check_latest(record: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Each check's rows from the latest run that ran the check, in the first full run's order; and the run each
+    check's rows came from."""
+    latest: dict[str, tuple[int, list[dict[str, Any]]]] = {}
+    order: list[str] = []
+    for run in record["runs"]:
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for row in run["output"]["rows"]:
+            groups.setdefault(row["group"], []).append(row)
+        for group, rows in groups.items():
+            latest[group] = (run["run"], rows)
+            if group not in order:
+                order.append(group)
+    return [row for g in order for row in latest[g][1]], {g: latest[g][0] for g in order}
+
+
+def gpu_check(record: dict[str, Any]) -> list[str]:
+    """The GPU check's rows, each check from its latest run; then every run (when, the tree it ran, what it ran,
+    its counts) and the runs' notes."""
+    rows, run_of = gpu_check_latest(record)
+    first = record["runs"][0]["output"]["machine"]
+    versions = ", ".join(f"{k} {first[k]}" for k in ("torch", "cuda", "cudnn", "nccl", "driver", "triton",
+                                                      "torchvision", "dali") if k in first)
+    out = [*table(["check", "result", "run", "detail"],
+                  [[r["check"], f"**{r['result']}**", run_of[r["group"]], r["detail"].replace("|", "\\|")]
+                   for r in rows]), "",
+           *table(["run", "UTC", "tree", "command", "pass / fail / skip"],
+                  [[r["run"], r["date"][:16].replace("T", " "),
+                    f"`{r['commit'][:7]}{'+dirty' if r['commit'].endswith('+dirty') else ''}`: {r['tree']}",
+                    f"`{r['command']}`",
+                    f"{r['output']['pass']} / {r['output']['fail']} / {r['output']['skip']}"] for r in record["runs"]]),
+           ""]
+    out += [f"Run {r['run']}: {r['note']}" for r in record["runs"] if r.get("note")]
+    return [*out, "", f"From [`docs/results/gpu_check.json`](results/gpu_check.json): {record['device']}; "
+                      f"{versions}."]
 
 
 def render_tuning(results_dir: Path, name: str = "tta_tuning") -> str:

@@ -265,3 +265,13 @@ def test_outside_counts_the_elements_beyond_allclose_and_names_the_worst():
     ours = [torch.tensor([1.0, 2.0 + 1e-5, 1e-9]), torch.tensor([4.0 + 8e-6])]  # 1e-9: inside atol
     assert not harness.all_close(ours, ref)
     assert harness.outside(ours, ref) == "2 element(s) outside, the worst |diff| 1.0e-05 at |ref| 2.0e+00"
+
+
+def test_beyond_spread_allows_ours_only_as_far_as_torchs_two_paths_differ_there():
+    fused = [torch.tensor([1.0, 1.0, 1.0])]
+    single = [torch.tensor([1.0, 1.0 + 1e-4, 1.0])]  # torch's paths differ at the middle element only
+    assert harness.beyond_spread([torch.tensor([1.0, 1.0 + 1e-4, 1.0])], fused, single) == 0
+    assert harness.beyond_spread([torch.tensor([1.0, 1.0 - 1e-4, 1.0])], fused, single) == 0  # as far, either side
+    assert harness.beyond_spread([torch.tensor([1.0, 1.0 + 2e-4, 1.0])], fused, single) == 1  # farther
+    assert harness.beyond_spread([torch.tensor([1.0 + 1e-4, 1.0, 1.0])], fused, single) == 1  # where torch agrees
+    assert harness.beyond_spread([torch.tensor([1.0 + 5e-7, 1.0, 1.0])], fused, single) == 0  # within rtol 1e-6

@@ -202,3 +202,22 @@ def test_a_result_made_of_training_runs_shows_the_runs_load_not_the_report_s() -
                                 for r, (b, a) in zip(record["result"]["runs"], [(1.5, 2.0), (2.5, 3.5)] * 6)]
     text = results_tables.provenance("tta", record)
     assert "from 1.5 to 3.5 at its runs' starts and ends" in text and "0.1" not in text
+
+
+def test_the_gpu_check_table_shows_each_check_from_its_latest_run(tmp_path: Path) -> None:
+    def run(number: int, rows: list[tuple[str, str, str]], note: str = "") -> dict:
+        out = {"rows": [{"check": c, "result": r, "detail": f"run {number} | {c}", "group": g} for c, r, g in rows],
+               "pass": 0, "fail": 0, "skip": 0, "machine": {"torch": "2.11", "gpus": ["NVIDIA H200"]}}
+        return {"run": number, "date": "2026-12-04T17:00:00", "commit": "a" * 40 + "+dirty", "tree": "t",
+                "command": "c", "output": out, **({"note": note} if note else {})}
+
+    record = {"bench": "gpu_check", "device": "one GPU", "runs": [
+        run(1, [("lars row", "FAIL", "lars"), ("adam a", "FAIL", "adam"), ("adam b", "PASS", "adam")]),
+        run(2, [("adam a", "PASS", "adam")], note="only adam")]}
+    (tmp_path / "gpu_check.json").write_text(json.dumps(record))
+    text = render("gpu_check", tmp_path)
+    assert "| lars row | **FAIL** | 1 | run 1 \\| lars row |" in text
+    assert "| adam a | **PASS** | 2 |" in text and "adam b" not in text  # a check's rows come from one run
+    assert text.index("lars row") < text.index("adam a")  # in the first run's order
+    assert "Run 2: only adam" in text and "`aaaaaaa+dirty`: t" in text and "2.11" in text
+    assert render("gpu_check", tmp_path / "none").startswith("_No GPU run yet")
