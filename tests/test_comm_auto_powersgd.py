@@ -91,8 +91,7 @@ def test_choose_picks_powersgd_on_a_slow_link_for_a_big_matrix_bucket_only_when_
     sizes = [n, n]  # the same size, but the second bucket has no matrix: never powersgd
 
     def options(kinds: list[str]):
-        by_size = {n: shapes[0]}
-        return lambda m: candidates(m, lay, [0.01], 0.01, 16384, kinds, by_size.get(m))
+        return lambda i: candidates(sizes[i], lay, [0.01], 0.01, 16384, kinds, shapes[i])
 
     plan, t = choose(sizes, [0.0, 0.0], _slow_net(1e-11), options(ALL_KINDS), False, shapes=shapes)
     assert plan[0] == Choice("powersgd") and plan[1].kind != "powersgd", plan

@@ -39,8 +39,8 @@ def policy(trial_steps: int = 0, redecide_every: int = 10, hysteresis: float = 0
            dense_recheck_every: int = 20) -> Policy:
     cfg = CommConfig(kind="auto", densities=[0.01], min_density=0.01, trial_steps=trial_steps,
                      redecide_every=redecide_every, hysteresis=hysteresis, dense_recheck_every=dense_recheck_every)
-    return Policy(cfg, SIZES, lambda n: candidates(n, LAYOUT, cfg.densities, cfg.min_density, cfg.dense_below),
-                  local_competes=True)
+    return Policy(cfg, SIZES, lambda i: candidates(SIZES[i], LAYOUT, cfg.densities, cfg.min_density,
+                                                   cfg.dense_below), local_competes=True)
 
 
 def chains(net: Network, plan: Sequence[Choice], link_factor: float = 1.0) -> tuple[float, ...]:
@@ -257,8 +257,8 @@ def test_recorded_runs_replay_to_the_same_actions(name):
     cfg = CommConfig(kind="auto", trial_steps=s["trial_steps"], redecide_every=s["redecide_every"],
                      hysteresis=s["hysteresis"], densities=s["densities"], min_density=s["min_density"],
                      dense_below=s["dense_below"])
-    p = Policy(cfg, run["sizes"], lambda n: candidates(n, layout, cfg.densities, cfg.min_density, cfg.dense_below),
-               s["local_competes"])
+    p = Policy(cfg, run["sizes"], lambda i: candidates(run["sizes"][i], layout, cfg.densities, cfg.min_density,
+                                                       cfg.dense_below), s["local_competes"])
     for i, step in enumerate(run["steps"]):
         expect = step["expect"]
         if "calibration" in step:

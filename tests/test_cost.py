@@ -146,12 +146,12 @@ def test_a_bucket_that_hides_behind_backward_stays_dense_and_the_safe_density_bo
     net = Network(lay, {"world": slow, "world16": slow, "world_gather": slow, "inter": slow,
                         "intra": Link(1e-5, 5e9)}, Selection(1e-4, 2e-9))
     sizes = [6_000_000, 6_000_000]
-    opts = lambda n: candidates(n, lay, [0.01, 0.001], 0.01, 16384)  # noqa: E731
-    assert all(c.density >= 0.01 for c in opts(sizes[0]))
+    opts = lambda i: candidates(sizes[i], lay, [0.01, 0.001], 0.01, 16384)  # noqa: E731
+    assert all(c.density >= 0.01 for c in opts(0))
     # bucket 0 is ready long before backward ends (its dense exchange hides), bucket 1 at the very end
     plan, t = choose(sizes, [100.0, 0.0], net, opts, local_competes=False)
     assert plan[0] == DENSE and plan[1].sparse
-    _, all_dense = choose(sizes, [100.0, 0.0], net, lambda n: [DENSE], local_competes=False)
+    _, all_dense = choose(sizes, [100.0, 0.0], net, lambda i: [DENSE], local_competes=False)
     assert t < all_dense
     assert math.isfinite(t)
 
@@ -163,10 +163,10 @@ def test_many_small_buckets_move_together_when_no_single_move_clears_the_margin(
     link = Link(1e-5, 1e9)
     net = Network(lay, {"world": link, "world16": link, "intra": Link(1e-6, 1e10)})
     sizes = [250_000] * 50
-    opts = lambda n: [DENSE, Choice("dense16")]  # noqa: E731
+    opts = lambda i: [DENSE, Choice("dense16")]  # noqa: E731
     plan, t = choose(sizes, [0.0] * 50, net, opts, local_competes=False)
     assert plan == [Choice("dense16")] * 50, plan
-    _, all_dense = choose(sizes, [0.0] * 50, net, lambda n: [DENSE], local_competes=False)
+    _, all_dense = choose(sizes, [0.0] * 50, net, lambda i: [DENSE], local_competes=False)
     assert t < 0.6 * all_dense
     # with nothing to gain the uniform starts do not win: ties stay dense
     same = Network(lay, {"world": link, "world16": Link(1e-5, 0.5e9), "intra": Link(1e-6, 1e10)})

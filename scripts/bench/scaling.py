@@ -594,7 +594,8 @@ def predict_cell(source: dict[str, Any], model: str, target: dict[str, Any], den
     out = {}
     for kind in FIXED:
         out[kind] = compute + predict(sizes, ready, fixed_plan(kind, sizes, density, DENSE_BELOW), net, True)[0]
-    plan, exposed = choose(sizes, ready, net, lambda n: candidates(n, layout, [density], density, DENSE_BELOW), True)
+    plan, exposed = choose(sizes, ready, net, lambda i: candidates(sizes[i], layout, [density], density, DENSE_BELOW),
+                           True)
     out["auto"] = compute + exposed
     return out
 

@@ -46,10 +46,6 @@ class AutoCommunicator(PlanExecutor):
         among `comm.auto_kinds`)."""
         if self.powersgd is not None:
             self.shapes = [self.powersgd.view(b).shapes if b.numel >= cfg.dense_below else () for b in self.buckets]
-        by_size: dict[int, Shapes] = {}  # the options are by size; `cost.choose` checks each bucket's own matrices
-        for b, shapes in zip(self.buckets, self.shapes or []):
-            if shapes:
-                by_size.setdefault(b.numel, shapes)
         self.calibration_steps = max(cfg.calibration_steps, cfg.dense_warmup_steps)
         self.net: Network | None = None
         """The fitted model (None until calibrated)."""
@@ -78,8 +74,8 @@ class AutoCommunicator(PlanExecutor):
         """How many of the last steps before it are timed."""
         self._fresh_plan = False
         """The next step is a new plan's first: not timed (allocations, first touch of its buffers)."""
-        self._options = lambda n: candidates(n, self.net_layout, cfg.densities, cfg.min_density, cfg.dense_below,
-                                             cfg.auto_kinds, by_size.get(n))
+        self._options = lambda i: candidates(self.buckets[i].numel, self.net_layout, cfg.densities, cfg.min_density,
+                                             cfg.dense_below, cfg.auto_kinds, self.shapes[i] if self.shapes else None)
         self.warm_up_options()
 
     # ------------------------------------------------------------ the exchange
@@ -305,14 +301,14 @@ class AutoCommunicator(PlanExecutor):
 
     def warm_up_options(self) -> None:
         """Compile the selection kernels for every size a plan may select from."""
-        self.warm_up((b.numel, c) for b in self.buckets for c in self._options(b.numel))
+        self.warm_up((b.numel, c) for i, b in enumerate(self.buckets) for c in self._options(i))
 
     def selection_sizes(self) -> dict[tuple[int, float], int]:
         """Every (elements, density) a plan may select from: each large bucket (topk) and its 1/L shard
         (hitopk), at each density auto may choose."""
         sizes: dict[tuple[int, float], int] = {}
-        for b in self.buckets:
-            for c in self._options(b.numel):
+        for i, b in enumerate(self.buckets):
+            for c in self._options(i):
                 if c.sparse:
                     key = (self.placement(self.runs_as(c).kind, b.numel)[1], c.density)
                     sizes[key] = sizes.get(key, 0) + 1

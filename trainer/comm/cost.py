@@ -332,13 +332,6 @@ def _shapes_at(shapes: Sequence[Shapes | None] | None, i: int) -> Shapes | None:
     return (shapes[i] or ()) if shapes is not None else None
 
 
-def offered(choice: Choice, i: int, n: int, options: Callable[[int], list[Choice]],
-             shapes: Sequence[Shapes | None] | None) -> bool:
-    """Whether bucket i (n elements) may take `choice`: `options` are by size, and buckets of one size may
-    differ in their matrices, so powersgd also needs bucket i's own."""
-    return choice in options(n) and (choice.kind != "powersgd" or bool(_shapes_at(shapes, i)))
-
-
 def predict(sizes: Sequence[int], ready_before_end: Sequence[float], plan: Sequence[Choice], net: Network,
             local_competes: bool, shapes: Sequence[Shapes | None] | None = None) -> tuple[float, list[float]]:
     """(predicted exposed seconds, each bucket's chain seconds) of `plan`; `shapes`: each bucket's matrices
@@ -351,6 +344,12 @@ def predict(sizes: Sequence[int], ready_before_end: Sequence[float], plan: Seque
     return exposed_s(ready_before_end, chains, local if local_competes else 0.0), chains
 
 
+def uniform_plans(count: int, options: Callable[[int], list[Choice]]) -> list[list[Choice]]:
+    """Each candidate on every bucket that has it, dense on the others: one plan per candidate, in order."""
+    every = {c: None for i in range(count) for c in options(i)}  # ordered, no duplicates
+    return [[c if c in options(i) else DENSE for i in range(count)] for c in every]
+
+
 def choose(sizes: Sequence[int], ready_before_end: Sequence[float], net: Network,
            options: Callable[[int], list[Choice]], local_competes: bool,
            start: Sequence[Choice] | None = None, shapes: Sequence[Shapes | None] | None = None
@@ -360,13 +359,11 @@ def choose(sizes: Sequence[int], ready_before_end: Sequence[float], net: Network
     Coordinate descent (largest buckets first) from `start` (default all dense) and from every uniform plan
     (each candidate on every bucket that has it): with many small buckets no single bucket's move may clear
     the margin while moving them all does. Another start's plan replaces the first one's only if it is
-    predicted faster by the margin, so ties stay with `start`. `shapes`: each bucket's powersgd matrices (a
-    bucket without any never takes powersgd)."""
+    predicted faster by the margin, so ties stay with `start`. `options(i)`: bucket i's candidates (`candidates`
+    with its size and matrices); `shapes`: each bucket's powersgd matrices, to price a powersgd choice."""
     first = list(start) if start is not None else [DENSE] * len(sizes)
     plan, best = _descend(sizes, ready_before_end, net, options, local_competes, first, shapes)
-    uniform = {c: None for n in sizes for c in options(n)}  # ordered, no duplicates
-    for choice in uniform:
-        trial = [choice if offered(choice, i, n, options, shapes) else DENSE for i, n in enumerate(sizes)]
+    for trial in uniform_plans(len(sizes), options):
         if trial == first:
             continue
         other, t = _descend(sizes, ready_before_end, net, options, local_competes, trial, shapes)
@@ -384,8 +381,8 @@ def _descend(sizes: Sequence[int], ready_before_end: Sequence[float], net: Netwo
     for _ in range(3):
         changed = False
         for i in order:
-            for choice in options(sizes[i]):
-                if choice == plan[i] or not offered(choice, i, sizes[i], options, shapes):
+            for choice in options(i):
+                if choice == plan[i]:
                     continue
                 trial = plan[:i] + [choice] + plan[i + 1:]
                 t, _ = predict(sizes, ready_before_end, trial, net, local_competes, shapes)

@@ -192,7 +192,10 @@ class Strategy:
         """Each bucket's choice when backward takes `backward_s`."""
         if self.choice is not None:
             return list(fixed_plan(self.choice.kind, model.buckets, self.choice.density, self.dense_below))
-        options = lambda n: candidates(n, net.layout, self.densities, 0.0, self.dense_below)  # noqa: E731
+
+        def options(i: int) -> list[Choice]:
+            return candidates(model.buckets[i], net.layout, self.densities, 0.0, self.dense_below)
+
         plan, _ = choose(model.buckets, model.ready_before_end(backward_s), net, options, False)
         return plan
 
@@ -385,7 +388,7 @@ def replan(cal: dict[str, float], base: Network, sizes: Sequence[int], ready: Se
     for layout in layouts:
         for factor in factors:
             net = with_inter_rate(base, factor, layout)
-            options = lambda n, lay=layout: candidates(n, lay, densities, cal["min_density"],  # noqa: E731
+            options = lambda i, lay=layout: candidates(sizes[i], lay, densities, cal["min_density"],  # noqa: E731
                                                        int(cal["dense_below"]))
             plan, exposed = choose(sizes, ready, net, options, local)
             dense, _ = predict(sizes, ready, [DENSE] * len(sizes), net, local)

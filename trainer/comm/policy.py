@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
 from trainer.comm.config import CommConfig
-from trainer.comm.cost import DENSE, MARGIN, Choice, Network, Shapes, choose, describe, offered, plan_summary, predict
+from trainer.comm.cost import (DENSE, MARGIN, Choice, Network, Shapes, choose, describe, plan_summary, predict,
+                               uniform_plans)
 from trainer.comm.plan import Plan
 
 HOLD_CHECKS = 5
@@ -93,7 +94,7 @@ class Policy:
         self.cfg = cfg
         self.sizes = list(sizes)
         self.options = options
-        """The candidate exchanges of a bucket of n elements (`cost.candidates`)."""
+        """The candidate exchanges of bucket i (`cost.candidates` with its size and matrices)."""
         self.shapes = list(shapes) if shapes is not None else None
         """Per bucket, the matrices powersgd would compress (`cost.Shapes`; None: no bucket may take it)."""
         self.local_competes = local_competes
@@ -155,8 +156,7 @@ class Policy:
         if tuple(plan) == self.dense:
             return []
         dense_s = self._predicted(self.dense)
-        uniform = [tuple(c if offered(c, i, n, self.options, self.shapes) else DENSE for i, n in enumerate(self.sizes))
-                   for c in {c: None for n in self.sizes for c in self.options(n)}]
+        uniform = [tuple(p) for p in uniform_plans(len(self.sizes), self.options)]
         out = [tuple(plan)]
         for other in sorted(uniform, key=self._predicted):
             if other not in out and other != self.dense and self._predicted(other) < dense_s and len(out) < MAX_TRIALS:
