@@ -238,7 +238,7 @@ def logged_steps(run: Path) -> list[dict]:
 
 @pytest.mark.long  # two 4-rank runs on 2 cores, one of them slowed down
 def test_a_slow_rank_is_named_and_the_run_ends_bitwise_equal(tmp_path, digits_root):
-    """Rank 2 of 4 is stopped in bursts from outside (1.5 s stopped, 0.5 s running, SIGSTOP/SIGCONT) from the
+    """Rank 2 of 4 is stopped in bursts from outside (2.5 s stopped, 0.5 s running, SIGSTOP/SIGCONT) from the
     first log step to step 7: the run goes on (the bursts are well below dist.timeout_s, 10 s), ends with the
     undisturbed run's weights bit for bit, and its log names rank 2 as slow, how much slower and since when.
     Would catch: each rank's wall-clock step time as its speed (the exchange makes them all equal: no rank
@@ -254,7 +254,8 @@ def test_a_slow_rank_is_named_and_the_run_ends_bitwise_equal(tmp_path, digits_ro
                 return all(p.poll() is None for p in procs)
             while running() and not logged_steps(run):
                 time.sleep(0.05)
-            bursts = stop_in_bursts(procs[2].pid, 1.5, 0.5,
+            # long stops: with 1.5 s ones a loaded box once measured the slow rank at only 1.42x the others
+            bursts = stop_in_bursts(procs[2].pid, 2.5, 0.5,
                                     until=lambda: not running() or any(r["step"] >= 7 for r in logged_steps(run)))
         wait_for_ranks(procs, tmp_path / f"{name}-logs")
     assert bursts >= 2
