@@ -65,6 +65,29 @@ def backward_with(model: Params, grads: list[torch.Tensor]) -> None:
     sum((p * g).sum() for p, g in zip(model.ps, grads)).backward()
 
 
+def step_both(comm_a: object, comm_b: object, straight: Params, restored: Params, grads: list[torch.Tensor],
+              skipped: list[torch.Tensor] | None, label: object) -> None:
+    """One exchange of `grads` by comm_a (the uninterrupted run) and by comm_b (the resumed one), and the same
+    averaged gradients from both, bit for bit. `skipped`: non-finite gradients comm_b exchanges and rolls back
+    first, as a step the loss scaler skipped."""
+    # one communicator at a time: two exchange threads would interleave their collectives differently
+    comm_b.detach()
+    comm_a.attach()
+    backward_with(straight, grads)
+    comm_a.finish()
+    comm_a.detach()
+    comm_b.attach()
+    if skipped is not None:
+        backward_with(restored, skipped)
+        comm_b.finish()
+        assert all(not torch.isfinite(p.grad).all() for p in restored.ps)
+        comm_b.rollback()
+    backward_with(restored, grads)
+    comm_b.finish()
+    for p, q in zip(straight.ps, restored.ps):
+        assert torch.equal(p.grad, q.grad), label
+
+
 def config(**kw: object) -> CommConfig:
     base = dict(kind="powersgd", bucket_mb=BUCKET_MB, dense_below=DENSE_BELOW, dense_warmup_steps=WARMUP)
     return CommConfig(**{**base, **kw})
@@ -199,23 +222,9 @@ def _resume_and_roll_back(rank: int, warm: bool) -> None:
     comm_a.detach()
     comm_b = build_communicator(cfg, restored, topo)
     comm_b.load_state_dict(state)
-    for step in (3, 4, 5):
-        # one communicator at a time: two exchange threads would interleave their collectives differently
-        comm_b.detach()
-        comm_a.attach()
-        backward_with(straight, grads_of(rank, step))
-        comm_a.finish()
-        comm_a.detach()
-        comm_b.attach()
-        if step == 4:  # a skipped step first
-            backward_with(restored, grads_of(rank, -1))
-            comm_b.finish()
-            assert all(not torch.isfinite(p.grad).all() for p in restored.ps)
-            comm_b.rollback()
-        backward_with(restored, grads_of(rank, step))
-        comm_b.finish()
-        for p, q in zip(straight.ps, restored.ps):
-            assert torch.equal(p.grad, q.grad), step
+    for step in (3, 4, 5):  # a skipped step before step 4
+        step_both(comm_a, comm_b, straight, restored, grads_of(rank, step),
+                  grads_of(rank, -1) if step == 4 else None, step)
     a, b = comm_a.state_dict(), comm_b.state_dict()
     assert a["powersgd"]["draws"] == b["powersgd"]["draws"]
     for key in ("residuals",):
