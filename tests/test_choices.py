@@ -24,6 +24,7 @@ from trainer.classification import ClassificationTask, ClassificationTrainConfig
 from trainer.comm import LocalCommunicator
 from trainer.config import ConfigError
 from trainer.dist import DistConfig, Topology, setup_distributed
+from trainer.loop import Trainer
 from trainer.precision import amp_candidates
 from trainer.schedules import Phase
 
@@ -232,6 +233,26 @@ def _ranks_measure_differently(rank: int, world: int) -> None:
 @pytest.mark.dist
 def test_ranks_that_measure_differently_take_one_decision(tmp_path):
     run_ranks(_ranks_measure_differently, 2, tmp_path)
+
+
+def _measuring_exchange_gradients(rank: int, world: int) -> list[float]:
+    topo = setup_distributed(DistConfig(ranks_per_node=2, timeout_s=60))
+    model = nn.Linear(3, 1, bias=False)
+    exchange = Trainer.measuring_exchange(SimpleNamespace(topo=topo, model=model))
+    exchange.attach()
+    (model.weight.sum() * (rank + 1)).backward()  # every element's gradient: rank + 1
+    exchange.finish()
+    return model.weight.grad.flatten().tolist()
+
+
+@pytest.mark.dist
+def test_the_measurements_exchange_stays_on_the_node(tmp_path):
+    """The training probes' gradients are averaged over the node's ranks, never across the links between nodes
+    (2 nodes x 2 ranks: the world's average would be 2.5 everywhere); one rank per node: no exchange."""
+    grads = run_ranks(_measuring_exchange_gradients, 4, tmp_path)
+    assert grads == [[1.5] * 3, [1.5] * 3, [3.5] * 3, [3.5] * 3]
+    one_per_node = Topology(rank=1, world_size=2, ranks_per_node=1)  # no intra-node group
+    assert Trainer.measuring_exchange(SimpleNamespace(topo=one_per_node, model=nn.Linear(3, 1))) is None
 
 
 def test_a_pinned_precision_the_device_cannot_run_is_a_config_error(monkeypatch):

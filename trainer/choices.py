@@ -161,6 +161,9 @@ even so is dropped on it."""
 ROUND_PRUNE = 1.25
 """After each measured round, a candidate more than this many times the best's current cost is measured no
 further (its cost stays its estimate so far)."""
+PROBE_EXCHANGE = "dense over the node's ranks"
+"""What a training probe's gradients go through on several ranks (trainer/loop.py, `measuring_exchange`); in the
+cache key, so entries measured with another exchange are not reused."""
 
 
 def measure(candidates: list[Choice], probes: list[Probe], subject: Subject, rounds: int, timer: Timer,
@@ -325,8 +328,8 @@ def run_key(topo: Topology, model: torch.nn.Module | None, space: dict[str, Sequ
     """Everything that changes which candidate is fastest: the device model and the CPU's kernel-relevant flags,
     the cores this process may use and its threads, torch, CUDA and cuDNN versions and cuDNN's autotuning, the
     kernel sources, world size and ranks per node, the model (class, parameter count, structure), the probes
-    (shapes and steps), the candidates, the rounds and the pruning factors (entries decided under other rules
-    are not reused)."""
+    (shapes and steps), the candidates, the rounds, the pruning factors and the probes' exchange (entries
+    decided under other rules are not reused)."""
     return _plain({
         "device": device_name(topo.device), "device_type": topo.device.type, "cpu_flags": kernel_flags(),
         "cores": len(os.sched_getaffinity(0)),
@@ -338,7 +341,7 @@ def run_key(topo: Topology, model: torch.nn.Module | None, space: dict[str, Sequ
             "class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
             "structure": hashlib.sha256(repr(model).encode()).hexdigest()[:16]},
         "probes": [[probe.name, probe.steps] for probe in probes], "space": {k: list(v) for k, v in space.items()},
-        "rounds": rounds, "pruning": [WARMUP_PRUNE, ROUND_PRUNE]})
+        "rounds": rounds, "pruning": [WARMUP_PRUNE, ROUND_PRUNE], "exchange": PROBE_EXCHANGE})
 
 
 # ---------------------------------------------------------------- the decision

@@ -149,6 +149,15 @@ class Topology:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    def this_node(self) -> Topology:
+        """This node's ranks as a world of their own, over the intra-node group (a single process when the node
+        has one rank): collectives that never cross the links between nodes."""
+        if self.intra_node is None:
+            return Topology(device=self.device)
+        return Topology(rank=self.local_rank, world_size=self.ranks_per_node, local_rank=self.local_rank,
+                        ranks_per_node=self.ranks_per_node, device=self.device, world=self.intra_node,
+                        intra_node=self.intra_node, backend=self.backend)
+
     def set_groups(self, world: Group, node_groups: Callable[[], tuple[Group, Group]]) -> None:
         """Set the world group and the node groups. `node_groups()` returns this rank's (intra-node, inter-node)
         subgroups; it is called only when there are several nodes of several ranks. With one node, the world
