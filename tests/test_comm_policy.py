@@ -152,6 +152,7 @@ def test_a_link_change_under_a_sparse_plan_measures_dense_again_before_deciding(
     moved = [p.observe(window(net, TOPK_PLAN, 0.1, link_factor=4)) for _ in range(2)]
     assert kinds + [a.kind for a in moved] == ["keep", "keep", "keep", "measure_dense"]
     assert moved[1].plan == DENSE_PLAN  # nothing decided on top-k's chains alone
+    assert (moved[1].steps, moved[1].timed) == (min(10, WINDOW) + 1, min(10, WINDOW))  # dense only to measure
     # the dense window on today's links: the scale from it, the baseline from it, then the decision
     back = p.observe(window(net, DENSE_PLAN, 0.9, link_factor=4))
     assert (back.kind, back.plan) == ("switch", TOPK_PLAN)
@@ -166,6 +167,7 @@ def test_a_longer_backward_compares_with_dense_measured_again_and_keeps_the_plan
     # backward got longer (a larger image size): the same chains, a step slower than the old dense one
     compared = p.observe(window(net, TOPK_PLAN, 1.08))
     assert (compared.kind, compared.plan) == ("compare_dense", DENSE_PLAN)
+    assert (compared.steps, compared.timed) == (min(10, WINDOW) + 1, min(10, WINDOW))  # dense only to measure
     # dense under the longer backward costs more still (the plan comes back), or not by the margin (dense stays)
     decided = p.observe(window(net, DENSE_PLAN, dense_s))
     plan = TOPK_PLAN if outcome == "restore" else DENSE_PLAN

@@ -30,6 +30,10 @@ SCALE_RANGE = (0.05, 100.0)
 WINDOW = 8
 """Steps timed before each drift check."""
 
+MEASURING_DENSE = ("measure_dense", "compare_dense", "recheck_dense")
+"""The actions whose all-dense window only measures (the next check decides): the steps it times, + 1, not
+`comm.redecide_every` (each a dense step on what may be a slow link)."""
+
 
 ActionKind = Literal["try", "keep", "switch", "measure_dense", "compare_dense", "recheck_dense", "restore", "hold"]
 """try: a plan on trial; keep: the same plan (after the trials: the one kept); switch: a new plan the model
@@ -312,7 +316,7 @@ class Policy:
     def _action(self, kind: ActionKind, message: str = "") -> Action:
         if kind == "try":
             steps = timed = self.cfg.trial_steps
-        elif kind == "recheck_dense":  # all dense at today's (maybe slow) links: only the steps it times, + 1
+        elif kind in MEASURING_DENSE:  # all dense at today's (maybe slow) links: only the steps it times, + 1
             steps = min(self.cfg.redecide_every, WINDOW) + 1
             timed = steps - 1
         else:
