@@ -293,6 +293,114 @@ def _skips_agree_and_state_restores(rank: int, world: int) -> None:
     assert comm_c.anchor is None and comm_c.since_sync == 0
 
 
+def nesterov(anchor: torch.Tensor, velocity: torch.Tensor, delta: torch.Tensor, lr: float = 0.7,
+             momentum: float = 0.9) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.optim.SGD's Nesterov step of the anchor on the averaged pseudo-gradient `delta`."""
+    velocity = momentum * velocity + delta
+    return anchor - lr * (delta + momentum * velocity), velocity
+
+
+OVERLAPPED = CommConfig(kind="local", local_steps=2, outer_lr=0.7, outer_momentum=0.9, local_overlap=True)
+
+
+def _overlapped_rounds_follow_their_rules(rank: int, world: int) -> None:
+    topo = setup_distributed(DistConfig())
+    model = net(batchnorm=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    comm = build_communicator(OVERLAPPED, model, topo, optimizer)
+    params, buffers = list(model.parameters()), [model[1].running_mean, model[1].running_var]
+    anchor = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+    velocity, snapshot, n = torch.zeros_like(anchor), None, anchor.numel()
+
+    def momenta() -> torch.Tensor:
+        return gathered(topo, [optimizer.state[p]["momentum_buffer"] for p in params])
+
+    for step in range(7):
+        if step % 2 == 0:
+            assert train_step(model, optimizer, comm, rank, step) is None
+        else:  # a round's end
+            x, y = batch(rank, step)
+            nn.functional.cross_entropy(model(x), y).backward()
+            comm.finish()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            before = gathered(topo, params)
+            assert comm.end_step() is None  # nothing waited for
+            after = gathered(topo, params)
+            if snapshot is None:
+                assert torch.equal(after, before)  # nothing under way to land
+            else:  # the previous round's synchronisation landed: the anchor's outer step, each rank's steps since
+                anchor, velocity = nesterov(anchor, velocity, (anchor - snapshot).mean(0))
+                assert torch.allclose(after, anchor + before - snapshot, atol=1e-6)
+            assert not torch.equal(after[0], after[1])  # the replicas stay apart
+            assert comm.per_step["bytes_sent"] == pytest.approx(4 * n / 2)  # the weights' allreduce, no state
+            snapshot = after
+        if step in (3, 6):  # the epoch's end, right after a round's end (3) and mid-round (6)
+            before, stats, moments = gathered(topo, params), gathered(topo, buffers), momenta()
+            assert not torch.equal(stats[0], stats[1]) and not torch.equal(moments[0], moments[1])
+            synced = comm.end_round()
+            assert synced is not None  # a synchronisation: the moving average and the replica guard may run
+            anchor, velocity = nesterov(anchor, velocity, (anchor - snapshot).mean(0))
+            mine = anchor + before - snapshot  # landed
+            state_bytes = 4 * (16 + n)  # the BatchNorm statistics and the momentum, averaged
+            if step == 6:  # then the open round's own synchronisation, waiting
+                anchor, velocity = nesterov(anchor, velocity, (anchor - mine).mean(0))
+                assert synced["bytes_sent"] == pytest.approx(4 * n + state_bytes)
+            else:  # no step since the snapshot: the replicas are equal once it lands
+                assert torch.allclose(mine[0], mine[1], atol=1e-6)
+                assert synced["bytes_sent"] == pytest.approx((4 * n + state_bytes) / 2)
+            after = gathered(topo, params)
+            assert torch.equal(after[0], after[1]) and torch.allclose(after[rank], anchor, atol=1e-6)
+            assert torch.allclose(gathered(topo, buffers)[rank], stats.mean(0), atol=1e-6)
+            assert torch.allclose(momenta()[rank], moments.mean(0), atol=1e-6)
+            snapshot = None
+    assert comm.pending is None
+
+
+def _overlapped_round_restores(rank: int, world: int) -> None:
+    topo = setup_distributed(DistConfig())
+    straight = net(batchnorm=True)
+    opt_a = torch.optim.SGD(straight.parameters(), lr=0.1, momentum=0.9)
+    comm_a = build_communicator(OVERLAPPED, straight, topo, opt_a)
+    for step in range(5):  # rounds end at steps 2 and 4 (each starts a synchronisation), then one more step
+        train_step(straight, opt_a, comm_a, rank, step)
+    saved = as_from_file(comm_a.state_dict())
+    assert saved["since_sync"] == 1 and saved["round"]["overlapped"] is not None
+    restored = net(batchnorm=True)
+    restored.load_state_dict(gathered_state_of_rank0(topo, straight))
+    opt_b = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    for state in opt_b.state.values():  # the checkpoint's optimizer state is rank 0's: the round restores its own
+        for t in state.values():
+            topo.world.broadcast_(t, src=0)
+    comm_b = build_communicator(OVERLAPPED, restored, topo, opt_b)
+    comm_b.load_state_dict(saved)
+    for step in range(5, 10):
+        train_step(straight, opt_a, comm_a, rank, step)
+        train_step(restored, opt_b, comm_b, rank, step)
+    assert comm_a.end_round() is not None and comm_b.end_round() is not None
+    for (name, a), b in zip(straight.state_dict().items(), restored.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.dist
+def test_an_overlapped_synchronisation_lands_a_round_later_by_its_rules(tmp_path):
+    """comm.local_overlap, H = 2: a round's end leaves the replicas apart and sends the weights alone; the next
+    round's end applies the outer step to the anchor and adds each rank's steps since its snapshot; an epoch's
+    end lands it and synchronises, waiting, with the state averaged. Fails on a synchronisation that waits (equal
+    replicas at a round's end), on the outer step applied to the weights instead of the anchor, on a rank's steps
+    since its snapshot dropped, or on state left per rank at an epoch's end."""
+    run_ranks(_overlapped_rounds_follow_their_rules, 2, tmp_path)
+
+
+@pytest.mark.dist
+def test_an_overlapped_synchronisation_restores_mid_way_bitwise(tmp_path):
+    """Saved while a synchronisation is under way: the resumed ranks start its allreduce again and end, five
+    steps and an epoch's end later, with the uninterrupted run's weights, bit for bit (fails if the snapshot were
+    not saved: the resumed anchor would never take that round's outer step)."""
+    run_ranks(_overlapped_round_restores, 2, tmp_path)
+
+
 def gathered_state_of_rank0(topo, model: nn.Module) -> dict[str, torch.Tensor]:
     state = {k: v.clone() for k, v in model.state_dict().items()}
     for v in state.values():
@@ -351,6 +459,12 @@ def test_ranks_whose_optimizer_state_differs_stop_together_in_words(tmp_path):
 def test_bad_local_settings_are_config_errors_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=f"comm.{key}"):
         CommConfig(kind="local", **{key: value})
+
+
+@pytest.mark.unit
+def test_an_overlapped_sparse_pseudo_gradient_is_a_config_error():
+    with pytest.raises(ConfigError, match="comm.local_overlap"):
+        CommConfig(kind="local", local_density=0.1, local_overlap=True)
 
 
 @pytest.mark.unit
@@ -447,3 +561,23 @@ def test_the_planner_prices_a_sparse_round_with_kept_state_as_an_allgather_of_k_
     step, _ = local.step_s(0.1, 0.2, ModelSpec("m", [n]), net)
     sync = allgather_s(8 * k_of(n, 0.01), 8, links["world"]) + 0.01 + 2e-9 * n
     assert step == pytest.approx(0.3 + ring_allreduce_s(4, 8, links["world"]) + sync / 8)
+
+
+@pytest.mark.unit
+def test_the_planner_hides_an_overlapped_synchronisation_behind_the_next_round():
+    """comm.local_overlap: a synchronisation sends the weights alone (the state waits for the epoch's end), and a
+    step pays only the part that the next round's H steps of compute do not hide. Fails if the state is still
+    priced, or if nothing (or everything) is hidden."""
+    from trainer.comm.cost import Layout, Link, Network
+    from trainer.comm.links import ring_allreduce_s
+    from trainer.comm.planner import ModelSpec, strategies
+    links = {"world": Link(1e-4, 1e8)}
+    net = Network(Layout(4, 2), links)
+    n = 25_000_000
+    local = strategies(CommConfig(kind="local", local_steps=8, local_overlap=True), [0.01])[0]
+    assert local.label == "local H=8 overlapped"
+    sync, flag = ring_allreduce_s(4 * n, 8, links["world"]), ring_allreduce_s(4, 8, links["world"])
+    assert 8 * 0.01 < sync < 8 * 1.0
+    for compute, exposed in ((0.01, sync - 8 * 0.01), (1.0, 0.0)):
+        step, _ = local.step_s(compute / 3, 2 * compute / 3, ModelSpec("m", [n]), net)
+        assert step == pytest.approx(compute + flag + exposed / 8)

@@ -82,6 +82,11 @@ class CommConfig:
     local_state: Literal["average", "keep"] = "average"
     """local: the inner optimizer's per-element state (momentum, Adam's moments) at a synchronisation: average =
     averaged over the ranks with the weights; keep = each rank keeps its own (DiLoCo), sending nothing for it."""
+    local_overlap: bool = False
+    """local: a round that ends mid-epoch (after the dense warm-up) starts its pseudo-gradient's allreduce and goes
+    on training; the outer step lands at the next round's end, each rank keeping the steps it took meanwhile
+    (one round's delay). The BatchNorm statistics and the optimizer's state are then averaged at the epochs'
+    ends, whose synchronisation waits (docs/communicators.md)."""
 
     def __post_init__(self) -> None:
         require(self.bucket_mb > 0, f"comm.bucket_mb: must be > 0, got {self.bucket_mb}")
@@ -126,3 +131,6 @@ class CommConfig:
         require(not (self.local_density < 1 and self.compression != "none"),
                 "comm.compression: a 16-bit wire applies to the dense pseudo-gradient of comm.kind local; with "
                 "comm.local_density < 1 the top-k pairs go in fp32; set one of them")
+        require(not (self.local_overlap and self.local_density < 1),
+                "comm.local_overlap: overlaps the dense pseudo-gradient's allreduce; with comm.local_density < 1 the "
+                "top-k pairs' allgather waits; set one of them")

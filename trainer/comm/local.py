@@ -20,16 +20,23 @@ The rules (docs/communicators.md, "local"):
   equal everywhere and a checkpoint's scaler is every rank's; without one, every rank stops at the same step.
 - Every synchronisation first checks that the ranks hold the same optimizer state (a parameter without a
   gradient on some rank leaves its state missing there) and stops every rank together, naming it, if not.
+- `comm.local_overlap`: a round that ends mid-epoch (after the warm-up) snapshots this rank's weights, starts the
+  allreduce of the anchor minus them and trains on; at the next round's end (or the epoch's) it lands: the outer
+  step moves the anchor, and each rank's weights become the new anchor plus the steps it took since its snapshot.
+  The BatchNorm statistics and the optimizer's state are averaged only by the epochs' ends' synchronisations,
+  which wait; only these count as synchronisations for the moving average and the replica guard.
 - The moving average of the weights (train.ema_decay) folds in the synchronised weights once per round.
 - A checkpoint mid-round holds, per rank, the anchor, the outer optimizer's state and this rank's own weights,
-  BatchNorm statistics and optimizer state (under `local_state: keep` at every checkpoint), and the top-k residual:
-  a resume on the same ranks restores the round. On another world size that per-rank state is dropped and a new
+  BatchNorm statistics and optimizer state (under `local_state: keep` or an overlapped synchronisation at every
+  checkpoint), the top-k residual and an overlapped synchronisation's snapshot (its allreduce starts again): a
+  resume on the same ranks restores the round. On another world size that per-rank state is dropped and a new
   round starts from the checkpoint's weights (rank 0's), with no residual.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +49,20 @@ from trainer.comm.cost import describe_local, exchange_bytes, k_of, layout_of
 from trainer.comm.execute import WIRE_DTYPES
 from trainer.comm.sparse import scatter_payloads, select_payload
 from trainer.dist import Topology
+
+@dataclass
+class Overlapped:
+    """A synchronisation under way behind the next round (comm.local_overlap)."""
+
+    snapshot: list[torch.Tensor]
+    """This rank's weights at the round's end."""
+    wire: torch.Tensor
+    """The pseudo-gradient being summed in place (on the wire's element type)."""
+    work: Any
+    """The allreduce's handle."""
+    steps: int
+    """The round's steps."""
+
 
 class LocalSGD(Communicator):
     """`comm.kind: local` over the model's trainable parameters and BatchNorm running statistics, with `optimizer`
@@ -57,6 +78,9 @@ class LocalSGD(Communicator):
         self.density, self.keep_state, self.iters = cfg.local_density, cfg.local_state == "keep", cfg.selection_iters
         self.selection = "mstopk" if cfg.selection == "auto" else cfg.selection
         self.measure_selection = cfg.selection == "auto"
+        self.overlap = cfg.local_overlap
+        self.pending: Overlapped | None = None
+        """comm.local_overlap: the synchronisation under way (checkpointed as its snapshot)."""
         self.residual: torch.Tensor | None = None
         """local_density < 1: what this rank's top-k left unsent (error feedback, checkpointed)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -97,13 +121,31 @@ class LocalSGD(Communicator):
 
     def end_step(self) -> dict[str, float] | None:
         """The H-th step of a round synchronises (every step of the first comm.dense_warmup_steps: a stable
-        start): its stats; None mid-round (the replicas differ)."""
+        start): its stats; None mid-round (the replicas differ), and when the synchronisation goes on behind the
+        next round (comm.local_overlap)."""
         self.since_sync += 1
-        return self.sync() if self.since_sync >= (1 if self.steps <= self.warmup else self.every) else None
+        warm = self.steps <= self.warmup
+        if self.since_sync < (1 if warm else self.every):
+            return None
+        if self.overlap and not warm:
+            self.start_overlapped()
+            return None
+        return self.sync()
 
     def end_round(self) -> dict[str, float] | None:
-        """The epoch's end: synchronise an open round now; its stats, or None when no round was open."""
-        return self.sync() if self.since_sync > 0 else None
+        """The epoch's end: an overlapped synchronisation lands, and an open round synchronises now, waiting; its
+        stats, or None when nothing was open."""
+        if self.pending is None:
+            return self.sync() if self.since_sync > 0 else None
+        start, steps = time.perf_counter(), self.pending.steps
+        self.land()
+        if self.since_sync > 0:
+            return self.sync()
+        # the epoch's last step ended the round: the replicas are equal now, their state is not yet averaged
+        state = self.average_state()
+        sent, inter = self.sync_bytes(0, state, 4, 0)
+        self.per_step = {k: v + b / steps for (k, v), b in zip(self.per_step.items(), (sent, inter))}
+        return {**NO_BYTES, **self.per_step, "wait_s": time.perf_counter() - start}
 
     # ------------------------------------------------------------ top-k selection (trainer/choices.py)
 
@@ -147,40 +189,96 @@ class LocalSGD(Communicator):
     def sync(self) -> dict[str, float]:
         """Average the pseudo-gradient, step the anchor, copy it into the weights; average the BatchNorm statistics
         and the optimizer's per-element state. Stats: bytes this rank sent, seconds taken."""
-        assert self.anchor is not None and self.outer is not None
-        start, world = time.perf_counter(), self.topo.world_size
+        assert self.anchor is not None and self.pending is None
+        start = time.perf_counter()
         with torch.no_grad():
-            delta = torch._foreach_sub(self.anchor, [p.detach() for p in self.params])
-            flat = torch.cat([d.reshape(-1) for d in delta])
+            flat = self.pseudo_gradient([p.detach() for p in self.params])
             if self.density < 1:
-                averaged, sent_k = self.sparse_average(flat), k_of(flat.numel(), self.density)
-                wire_bytes = 4
+                averaged, sent_k, wire_bytes = self.sparse_average(flat), k_of(flat.numel(), self.density), 4
             else:
-                wire = flat if self.wire is None else flat.to(self.wire)
+                wire = self.on_wire(flat)
                 self.topo.world.all_reduce_(wire, "all-reduce of the pseudo-gradient")
-                averaged, sent_k, wire_bytes = wire.float().div_(world), 0, wire.element_size()
-            if not bool(torch.isfinite(averaged).all()):  # the sum of every rank's: all ranks stop together
-                self.diverged()
-            for a, g in zip(self.anchor, averaged.split([a.numel() for a in self.anchor])):
-                a.grad = g.view_as(a)
-            self.outer.step()
-            self.outer.zero_grad(set_to_none=True)  # views of the averaged buffer: not kept for a round
+                averaged, sent_k, wire_bytes = wire.float().div_(self.topo.world_size), 0, wire.element_size()
+            self.outer_step(averaged)
             torch._foreach_copy_([p.detach() for p in self.params], self.anchor)
-            state = self.averaged_state()
-            self.check_same_state(state)
-            if state:
-                both = torch.cat([t.detach().float().reshape(-1) for t in state])
-                self.topo.world.all_reduce_(both, "all-reduce of the BatchNorm statistics and optimizer state")
-                both.div_(world)
-                for t, mean in zip(state, both.split([t.numel() for t in state])):
-                    t.copy_(mean.view_as(t))
-        sent, inter = exchange_bytes(describe_local(flat.numel(), sum(t.numel() for t in state), self.layout,
-                                                    wire_bytes, k=sent_k), self.layout)
+        state = self.average_state()
+        sent, inter = self.sync_bytes(flat.numel(), state, wire_bytes, sent_k)
         # per step of the round, as every step reports it until the next synchronisation: a log step samples
         # the rate whether or not it synchronised
         self.per_step = {"bytes_sent": sent / self.since_sync, "bytes_inter_node": inter / self.since_sync}
         self.since_sync = 0
         return {**NO_BYTES, **self.per_step, "wait_s": time.perf_counter() - start}
+
+    def pseudo_gradient(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        """The anchor minus `weights`, flat."""
+        assert self.anchor is not None
+        return torch.cat([d.reshape(-1) for d in torch._foreach_sub(self.anchor, weights)])
+
+    def on_wire(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` in the wire's element type (itself on an fp32 wire)."""
+        return flat if self.wire is None else flat.to(self.wire)
+
+    def outer_step(self, averaged: torch.Tensor) -> None:
+        """The outer SGD step of the anchor on the averaged pseudo-gradient (a non-finite one stops every rank:
+        it is every rank's sum)."""
+        assert self.anchor is not None and self.outer is not None
+        if not bool(torch.isfinite(averaged).all()):
+            self.diverged()
+        for a, g in zip(self.anchor, averaged.split([a.numel() for a in self.anchor])):
+            a.grad = g.view_as(a)
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)  # views of the averaged buffer: not kept for a round
+
+    def average_state(self) -> list[torch.Tensor]:
+        """Average the BatchNorm statistics and the optimizer's per-element state (unless kept) over the ranks, in
+        fp32; the tensors averaged."""
+        state = self.averaged_state()
+        self.check_same_state(state)
+        if state:
+            with torch.no_grad():
+                both = torch.cat([t.detach().float().reshape(-1) for t in state])
+                self.topo.world.all_reduce_(both, "all-reduce of the BatchNorm statistics and optimizer state")
+                both.div_(self.topo.world_size)
+                for t, mean in zip(state, both.split([t.numel() for t in state])):
+                    t.copy_(mean.view_as(t))
+        return state
+
+    def sync_bytes(self, n: int, state: list[torch.Tensor], wire_bytes: int, k: int) -> tuple[float, float]:
+        """Bytes this rank sends in a synchronisation of `n` pseudo-gradient elements and `state`: all links, and
+        those crossing nodes (the cost model's count)."""
+        return exchange_bytes(describe_local(n, sum(t.numel() for t in state), self.layout, wire_bytes, k=k),
+                              self.layout)
+
+    # ------------------------------------------------------------ the overlapped synchronisation
+
+    def start_overlapped(self) -> None:
+        """The round's end under comm.local_overlap: the previous round's synchronisation lands, then this rank's
+        weights are kept as the snapshot and its pseudo-gradient's allreduce starts; training goes on."""
+        if self.pending is not None:
+            self.land()
+        with torch.no_grad():
+            self.launch([p.detach().clone() for p in self.params], self.since_sync)
+        assert self.pending is not None
+        sent, inter = self.sync_bytes(self.pending.wire.numel(), [], self.pending.wire.element_size(), 0)
+        self.per_step = {"bytes_sent": sent / self.since_sync, "bytes_inter_node": inter / self.since_sync}
+        self.since_sync = 0
+
+    def launch(self, snapshot: list[torch.Tensor], steps: int) -> None:
+        """Start the allreduce of the anchor minus `snapshot` (the weights at a round's end)."""
+        wire = self.on_wire(self.pseudo_gradient(snapshot))
+        self.pending = Overlapped(snapshot, wire, self.topo.world.all_reduce_async(wire), steps)
+
+    def land(self) -> None:
+        """Wait for the overlapped allreduce, step the anchor with its average; each rank's weights become the new
+        anchor plus the steps it took since its snapshot."""
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        self.topo.world.wait(pending.work, "all-reduce of the pseudo-gradient (overlapped)")
+        with torch.no_grad():
+            self.outer_step(pending.wire.float().div_(self.topo.world_size))
+            params = [p.detach() for p in self.params]
+            torch._foreach_sub_(params, pending.snapshot)
+            torch._foreach_add_(params, self.anchor)
 
     def diverged(self) -> None:
         """Stop (every rank calls it at the same synchronisation: the finiteness it tests is every rank's)."""
@@ -208,24 +306,30 @@ class LocalSGD(Communicator):
     def state_dict(self) -> dict[str, Any]:
         """`steps`, `since_sync`, and `round` (per rank, host copies): the anchor and the outer momentum, and
         mid-round this rank's own weights, BatchNorm statistics and optimizer per-element state (its step
-        counters are every rank's, in the checkpoint's optimizer state); None before the first step."""
+        counters are every rank's, in the checkpoint's optimizer state), and an overlapped synchronisation's
+        snapshot (the allreduce starts again on resume); None before the first step."""
         if self.anchor is None or self.outer is None:
             return {"steps": self.steps, "since_sync": 0, "round": None}
         momentum = [self.outer.state[a].get("momentum_buffer") for a in self.anchor]
         mine = None
-        if self.since_sync > 0 or self.keep_state:  # the replicas differ, or their optimizer states do
+        if self.since_sync > 0 or self.keep_state or self.pending is not None:  # the replicas or their states differ
             mine = {"params": host(self.params), "buffers": host(self.buffers),
                     "optimizer": host(self.per_element_state())}
+        pending = None
+        if self.pending is not None:
+            pending = {"snapshot": host(self.pending.snapshot), "steps": self.pending.steps}
         return {"steps": self.steps, "since_sync": self.since_sync,
                 "round": {"anchor": host(self.anchor),
                           "outer_momentum": host(momentum) if all(m is not None for m in momentum) else None,
-                          "mine": mine, "residual": None if self.residual is None else host([self.residual])[0]}}
+                          "mine": mine, "residual": None if self.residual is None else host([self.residual])[0],
+                          "overlapped": pending}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s state (after the checkpoint's model and optimizer state are loaded); without a
         `round` (another world size), a new round starts from the current weights."""
         self.steps = state["steps"]
         saved = state.get("round")
+        self.pending = None
         if saved is None:
             self.anchor, self.outer, self.since_sync, self.residual = None, None, 0, None
             return
@@ -245,6 +349,11 @@ class LocalSGD(Communicator):
                 assert len(live) == len(kept), "the optimizer's state does not match the checkpoint's round"
                 for t, k in zip(live, kept):
                     t.detach().copy_(k)
+            overlapped = saved.get("overlapped")
+            # the same sums as the interrupted allreduce's; resumed without comm.local_overlap, the next round
+            # sends it too (the anchor minus the weights holds both rounds' steps)
+            if overlapped is not None and self.overlap:
+                self.launch([t.to(self.topo.device, copy=True) for t in overlapped["snapshot"]], overlapped["steps"])
         self.since_sync = state["since_sync"]
 
 

@@ -167,6 +167,8 @@ class Strategy:
     """local: bytes per pseudo-gradient element on the wire (2: bf16)."""
     local_density: float = 1.0
     """local: the fraction of the pseudo-gradient sent as top-k pairs (1: all of it, allreduced)."""
+    local_overlap: bool = False
+    """local: the synchronisation runs behind the next round's steps, without the state (comm.local_overlap)."""
 
     @property
     def label(self) -> str:
@@ -174,17 +176,21 @@ class Strategy:
             return self.choice.label
         if not self.local_steps:
             return "auto"
-        return f"local H={self.local_steps}" + (f" top-k {self.local_density:g}" if self.local_density < 1 else "")
+        return (f"local H={self.local_steps}" + (f" top-k {self.local_density:g}" if self.local_density < 1 else "")
+                + (" overlapped" if self.local_overlap else ""))
 
     def step_s(self, forward_s: float, backward_s: float, model: ModelSpec, net: Network) -> tuple[float, list[Choice]]:
-        """One step's seconds and each bucket's choice (local: none; its synchronisation, which nothing hides, is
-        spread over the H steps of a round, plus every step's 1-element allreduce of the non-finite flag; the
-        rounds an epoch's end cuts short are not counted: at most one more synchronisation per epoch)."""
+        """One step's seconds and each bucket's choice (local: none; its synchronisation is spread over the H steps
+        of a round, less what the next round's compute hides when overlapped, plus every step's 1-element allreduce
+        of the non-finite flag; the rounds an epoch's end cuts short, and its waiting synchronisation, are not
+        counted: at most one more synchronisation per epoch)."""
         if self.local_steps:
             k = k_of(model.params, self.local_density) if self.local_density < 1 else 0
-            sync = describe_local(model.params, self.state_per_param * model.params, net.layout, self.wire_bytes, k)
+            state = 0 if self.local_overlap else self.state_per_param * model.params
+            sync = net.chain_s(describe_local(model.params, state, net.layout, self.wire_bytes, k))
+            hidden = self.local_steps * (forward_s + backward_s) if self.local_overlap else 0.0
             flag = net.collective_s(Collective("allreduce", 4, "world"))
-            return forward_s + backward_s + flag + net.chain_s(sync) / self.local_steps, []
+            return forward_s + backward_s + flag + max(0.0, sync - hidden) / self.local_steps, []
         plan = self.plan(model, backward_s, net)
         return step_seconds(forward_s, backward_s, model, plan, net), plan
 
@@ -222,7 +228,8 @@ def strategies(comm: Any, densities: Sequence[float], state_per_param: int = 1) 
     if comm.kind == "local":
         out.insert(0, Strategy(None, comm.dense_below, local_steps=comm.local_steps,
                                state_per_param=0 if comm.local_state == "keep" else state_per_param,
-                               wire_bytes=2 if comm.compression == "bf16" else 4, local_density=comm.local_density))
+                               wire_bytes=2 if comm.compression == "bf16" else 4, local_density=comm.local_density,
+                               local_overlap=comm.local_overlap))
     return out + [Strategy(None, comm.dense_below, tuple(d for d in comm.densities if d >= comm.min_density))]
 
 
