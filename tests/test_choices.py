@@ -236,7 +236,7 @@ def test_ranks_that_measure_differently_take_one_decision(tmp_path):
 
 
 def _measuring_exchange_gradients(rank: int, world: int) -> list[float]:
-    topo = setup_distributed(DistConfig(ranks_per_node=2, timeout_s=60))
+    topo = setup_distributed(DistConfig(ranks_per_node=2, timeout_s=60))  # 4 ranks: 2 nodes; 2 ranks: 1 node
     model = nn.Linear(3, 1, bias=False)
     exchange = Trainer.measuring_exchange(SimpleNamespace(topo=topo, model=model))
     exchange.attach()
@@ -248,9 +248,12 @@ def _measuring_exchange_gradients(rank: int, world: int) -> list[float]:
 @pytest.mark.dist
 def test_the_measurements_exchange_stays_on_the_node(tmp_path):
     """The training probes' gradients are averaged over the node's ranks, never across the links between nodes
-    (2 nodes x 2 ranks: the world's average would be 2.5 everywhere); one rank per node: no exchange."""
+    (2 nodes x 2 ranks: the world's average would be 2.5 everywhere); on one node, over all its ranks; one rank
+    per node: no exchange."""
     grads = run_ranks(_measuring_exchange_gradients, 4, tmp_path)
     assert grads == [[1.5] * 3, [1.5] * 3, [3.5] * 3, [3.5] * 3]
+    (tmp_path / "one-node").mkdir()
+    assert run_ranks(_measuring_exchange_gradients, 2, tmp_path / "one-node") == [[1.5] * 3, [1.5] * 3]
     one_per_node = Topology(rank=1, world_size=2, ranks_per_node=1)  # no intra-node group
     assert Trainer.measuring_exchange(SimpleNamespace(topo=one_per_node, model=nn.Linear(3, 1))) is None
 

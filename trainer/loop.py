@@ -150,10 +150,10 @@ class Trainer:
 
     def measuring_exchange(self) -> Communicator | None:
         """A dense communicator over this node's ranks for the measurement's steps (detached at once: the
-        measurement hooks it in; None when the node has one rank). The candidates change each rank's own work,
-        the packing of its gradients included, not the bytes that cross the links between nodes: a dense
-        exchange over a slow link would add the same seconds to every candidate, and multiply the measurement's
-        length (minutes at 200 Mbit/s)."""
+        measurement hooks it in; None when the node has one rank, whose probes then exchange nothing). The
+        candidates change each rank's own work, the packing of its gradients included, not the bytes that cross
+        the links between nodes: a dense exchange over a slow link would add the same seconds to every
+        candidate, and multiply the measurement's length (minutes at 200 Mbit/s)."""
         node = self.topo.this_node()
         if not node.distributed:
             return None

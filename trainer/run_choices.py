@@ -57,9 +57,9 @@ class RunStep:
                  exchange: Any = None) -> None:
         self.task, self.comm, self.optimizer, self.device = task, comm, optimizer, device
         self.exchange = exchange
-        """A dense communicator hooked in while measuring (None on one process): every training probe's
-        gradients are averaged from backward's hooks, as in a training step, without touching the run's own
-        communicator (its residuals and measurements)."""
+        """A dense communicator over the node's ranks hooked in while measuring (None when the node has one
+        rank): every training probe's gradients are averaged from backward's hooks, as in a training step,
+        without touching the run's own communicator (its residuals and measurements)."""
         self.dtype: torch.dtype | None = None
 
     def apply(self, choice: Choice) -> None:
