@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,22 @@ def gathered(topo, tensors: list[torch.Tensor]) -> torch.Tensor:
     """Every rank's tensors, flattened: one row per rank."""
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     return topo.world.all_gather(flat.reshape(1, -1), "test gather")
+
+
+def resumed_from_rank0(topo, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: CommConfig, saved: dict
+                       ) -> tuple[nn.Module, torch.optim.Optimizer, LocalSGD]:
+    """A model, optimizer and communicator resumed from a checkpoint: the model file and the optimizer state are
+    rank 0's, the communicator's state this rank's own `saved`."""
+    restored = net(batchnorm=True)
+    restored.load_state_dict(gathered_state_of_rank0(topo, model))
+    opt = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
+    opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    for state in opt.state.values():
+        for t in state.values():
+            topo.world.broadcast_(t, src=0)
+    comm = build_communicator(cfg, restored, topo, opt)
+    comm.load_state_dict(saved)
+    return restored, opt, comm
 
 
 def _h1_is_data_parallel(rank: int, world: int) -> None:
@@ -172,15 +189,7 @@ def _sparse_round_restores(rank: int, world: int) -> None:
         train_step(straight, opt_a, comm_a, rank, step)
     saved = as_from_file(comm_a.state_dict())
     assert saved["since_sync"] == 0 and saved["round"]["residual"] is not None
-    restored = net(batchnorm=True)
-    restored.load_state_dict(gathered_state_of_rank0(topo, straight))
-    opt_b = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
-    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
-    for state in opt_b.state.values():  # the checkpoint's optimizer state is rank 0's
-        for t in state.values():
-            topo.world.broadcast_(t, src=0)
-    comm_b = build_communicator(cfg, restored, topo, opt_b)
-    comm_b.load_state_dict(saved)
+    restored, opt_b, comm_b = resumed_from_rank0(topo, straight, opt_a, cfg, saved)
     for step in range(6, 13):
         train_step(straight, opt_a, comm_a, rank, step)
         train_step(restored, opt_b, comm_b, rank, step)
@@ -239,20 +248,25 @@ def test_a_sparse_round_with_kept_state_restores_mid_way_bitwise(tmp_path):
     run_ranks(_sparse_round_restores, 2, tmp_path)
 
 
-def _warm_up_then_rounds(rank: int, world: int) -> list[bool]:
+def _warm_up_then_rounds(rank: int, world: int, overlap: bool) -> list[bool]:
     topo = setup_distributed(DistConfig())
     model = net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    comm = build_communicator(CommConfig(kind="local", local_steps=3, dense_warmup_steps=2), model, topo, optimizer)
+    cfg = CommConfig(kind="local", local_steps=3, dense_warmup_steps=2, local_overlap=overlap)
+    comm = build_communicator(cfg, model, topo, optimizer)
     return [train_step(model, optimizer, comm, rank, step) is not None for step in range(8)]
 
 
 @pytest.mark.dist
 def test_the_dense_warm_up_synchronises_every_step_then_rounds_of_h(tmp_path):
     """comm.dense_warmup_steps 2, H 3: steps 1 and 2 synchronise, then steps 5 and 8 end rounds (a local kind
-    that ignored the warm-up, or counted it into the first round, fails)."""
-    synced = run_ranks(_warm_up_then_rounds, 2, tmp_path)
+    that ignored the warm-up, or counted it into the first round, fails); under local_overlap the warm-up's
+    synchronisations wait too, and the rounds' ends after it do not."""
+    synced = run_ranks(_warm_up_then_rounds, 2, tmp_path, False)
     assert synced[0] == synced[1] == [True, True, False, False, True, False, False, True]
+    (tmp_path / "overlap").mkdir()
+    synced = run_ranks(_warm_up_then_rounds, 2, tmp_path / "overlap", True)
+    assert synced[0] == synced[1] == [True, True, False, False, False, False, False, False]
 
 
 def _skips_agree_and_state_restores(rank: int, world: int) -> None:
@@ -265,15 +279,8 @@ def _skips_agree_and_state_restores(rank: int, world: int) -> None:
         train_step(straight, opt_a, comm_a, rank, step)
     saved = as_from_file(comm_a.state_dict())
     assert saved["since_sync"] == 2 and saved["round"]["mine"] is not None
-    restored = net(batchnorm=True)  # the checkpoint's model file is rank 0's: the round's own state restores
-    restored.load_state_dict(gathered_state_of_rank0(topo, straight))
-    opt_b = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
-    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # as from a file: no tensor shared with opt_a
-    for state in opt_b.state.values():  # the checkpoint's optimizer state is rank 0's: the round restores its own
-        for t in state.values():
-            topo.world.broadcast_(t, src=0)
-    comm_b = build_communicator(cfg, restored, topo, opt_b)
-    comm_b.load_state_dict(saved)
+    # the checkpoint's model file and optimizer state are rank 0's: the round restores this rank's own
+    restored, opt_b, comm_b = resumed_from_rank0(topo, straight, opt_a, cfg, saved)
     for step in range(6, 11):  # two steps to the synchronisation at step 8, then into the next round
         train_step(straight, opt_a, comm_a, rank, step)
         train_step(restored, opt_b, comm_b, rank, step)
@@ -303,11 +310,29 @@ def nesterov(anchor: torch.Tensor, velocity: torch.Tensor, delta: torch.Tensor, 
 OVERLAPPED = CommConfig(kind="local", local_steps=2, outer_lr=0.7, outer_momentum=0.9, local_overlap=True)
 
 
+class Recorded:
+    """A group that records when its allreduces start and when they are waited for."""
+
+    def __init__(self, group, log: list[str]) -> None:
+        self.group, self.log = group, log
+
+    def all_reduce_async(self, t: torch.Tensor):
+        self.log.append("start")
+        return self.group.all_reduce_async(t)
+
+    def wait(self, work, what: str) -> None:
+        self.log.append("wait")
+        self.group.wait(work, what)
+
+
 def _overlapped_rounds_follow_their_rules(rank: int, world: int) -> None:
     topo = setup_distributed(DistConfig())
     model = net(batchnorm=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     comm = build_communicator(OVERLAPPED, model, topo, optimizer)
+    assert comm.background is not topo.world  # a group of its own: the per-step flag does not queue behind it
+    log: list[str] = []
+    comm.background = Recorded(comm.background, log)
     params, buffers = list(model.parameters()), [model[1].running_mean, model[1].running_var]
     anchor = torch.cat([p.detach().reshape(-1) for p in params]).clone()
     velocity, snapshot, n = torch.zeros_like(anchor), None, anchor.numel()
@@ -317,21 +342,24 @@ def _overlapped_rounds_follow_their_rules(rank: int, world: int) -> None:
 
     for step in range(7):
         if step % 2 == 0:
+            events = len(log)
             assert train_step(model, optimizer, comm, rank, step) is None
+            assert len(log) == events  # mid-round: the synchronisation under way is not waited for
         else:  # a round's end
             x, y = batch(rank, step)
             nn.functional.cross_entropy(model(x), y).backward()
             comm.finish()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            before = gathered(topo, params)
-            assert comm.end_step() is None  # nothing waited for
+            before, events = gathered(topo, params), len(log)
+            assert comm.end_step() is None
             after = gathered(topo, params)
-            if snapshot is None:
-                assert torch.equal(after, before)  # nothing under way to land
+            if snapshot is None:  # nothing under way to land; this round's starts, not waited for
+                assert torch.equal(after, before) and log[events:] == ["start"]
             else:  # the previous round's synchronisation landed: the anchor's outer step, each rank's steps since
                 anchor, velocity = nesterov(anchor, velocity, (anchor - snapshot).mean(0))
                 assert torch.allclose(after, anchor + before - snapshot, atol=1e-6)
+                assert log[events:] == ["wait", "start"]
             assert not torch.equal(after[0], after[1])  # the replicas stay apart
             assert comm.per_step["bytes_sent"] == pytest.approx(4 * n / 2)  # the weights' allreduce, no state
             snapshot = after
@@ -339,7 +367,7 @@ def _overlapped_rounds_follow_their_rules(rank: int, world: int) -> None:
             before, stats, moments = gathered(topo, params), gathered(topo, buffers), momenta()
             assert not torch.equal(stats[0], stats[1]) and not torch.equal(moments[0], moments[1])
             synced = comm.end_round()
-            assert synced is not None  # a synchronisation: the moving average and the replica guard may run
+            assert synced is not None and log[-1] == "wait"  # landed: the moving average and the guard may run
             anchor, velocity = nesterov(anchor, velocity, (anchor - snapshot).mean(0))
             mine = anchor + before - snapshot  # landed
             state_bytes = 4 * (16 + n)  # the BatchNorm statistics and the momentum, averaged
@@ -357,25 +385,24 @@ def _overlapped_rounds_follow_their_rules(rank: int, world: int) -> None:
     assert comm.pending is None
 
 
-def _overlapped_round_restores(rank: int, world: int) -> None:
+def _overlapped_round_restores(rank: int, world: int, saved_after: int) -> None:
     topo = setup_distributed(DistConfig())
     straight = net(batchnorm=True)
     opt_a = torch.optim.SGD(straight.parameters(), lr=0.1, momentum=0.9)
     comm_a = build_communicator(OVERLAPPED, straight, topo, opt_a)
-    for step in range(5):  # rounds end at steps 2 and 4 (each starts a synchronisation), then one more step
+    for step in range(saved_after):  # rounds end at steps 2 and 4, each starting a synchronisation
         train_step(straight, opt_a, comm_a, rank, step)
     saved = as_from_file(comm_a.state_dict())
-    assert saved["since_sync"] == 1 and saved["round"]["overlapped"] is not None
-    restored = net(batchnorm=True)
-    restored.load_state_dict(gathered_state_of_rank0(topo, straight))
-    opt_b = torch.optim.SGD(restored.parameters(), lr=0.1, momentum=0.9)
-    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
-    for state in opt_b.state.values():  # the checkpoint's optimizer state is rank 0's: the round restores its own
-        for t in state.values():
-            topo.world.broadcast_(t, src=0)
-    comm_b = build_communicator(OVERLAPPED, restored, topo, opt_b)
-    comm_b.load_state_dict(saved)
-    for step in range(5, 10):
+    assert saved["since_sync"] == saved_after - 4 and saved["round"]["overlapped"] is not None
+    restored, opt_b, comm_b = resumed_from_rank0(topo, straight, opt_a, OVERLAPPED, saved)
+    # resumed without local_overlap: one round holding both rounds' steps, which the next step ends
+    plain = replace(OVERLAPPED, local_overlap=False)
+    other, opt_c, comm_c = resumed_from_rank0(topo, straight, opt_a, plain, saved)
+    assert comm_c.pending is None and comm_c.since_sync == saved["since_sync"] + 2
+    assert train_step(other, opt_c, comm_c, rank, saved_after) is not None
+    weights = gathered(topo, list(other.parameters()))
+    assert torch.equal(weights[0], weights[1])
+    for step in range(saved_after, 10):
         train_step(straight, opt_a, comm_a, rank, step)
         train_step(restored, opt_b, comm_b, rank, step)
     assert comm_a.end_round() is not None and comm_b.end_round() is not None
@@ -394,11 +421,13 @@ def test_an_overlapped_synchronisation_lands_a_round_later_by_its_rules(tmp_path
 
 
 @pytest.mark.dist
-def test_an_overlapped_synchronisation_restores_mid_way_bitwise(tmp_path):
-    """Saved while a synchronisation is under way: the resumed ranks start its allreduce again and end, five
-    steps and an epoch's end later, with the uninterrupted run's weights, bit for bit (fails if the snapshot were
-    not saved: the resumed anchor would never take that round's outer step)."""
-    run_ranks(_overlapped_round_restores, 2, tmp_path)
+@pytest.mark.parametrize("saved_after", [4, 5])
+def test_an_overlapped_synchronisation_restores_mid_way_bitwise(tmp_path, saved_after):
+    """Saved while a synchronisation is under way, right at a round's end (4) or a step later (5): the resumed
+    ranks start its allreduce again and end, an epoch's end later, with the uninterrupted run's weights, bit for
+    bit. Fails if the snapshot or (at a round's end) each rank's own weights were not saved. Resumed without
+    local_overlap, the next step synchronises the replicas."""
+    run_ranks(_overlapped_round_restores, 2, tmp_path, saved_after)
 
 
 def gathered_state_of_rank0(topo, model: nn.Module) -> dict[str, torch.Tensor]:

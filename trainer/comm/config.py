@@ -83,10 +83,10 @@ class CommConfig:
     """local: the inner optimizer's per-element state (momentum, Adam's moments) at a synchronisation: average =
     averaged over the ranks with the weights; keep = each rank keeps its own (DiLoCo), sending nothing for it."""
     local_overlap: bool = False
-    """local: a round that ends mid-epoch (after the dense warm-up) starts its pseudo-gradient's allreduce and goes
-    on training; the outer step lands at the next round's end, each rank keeping the steps it took meanwhile
-    (one round's delay). The BatchNorm statistics and the optimizer's state are then averaged at the epochs'
-    ends, whose synchronisation waits (docs/communicators.md)."""
+    """local: a round's end (after the dense warm-up) starts its pseudo-gradient's allreduce and training goes on;
+    the outer step lands at the next round's end, each rank keeping the steps it took meanwhile (one round's
+    delay). The epoch's end lands it and waits for its own synchronisation, which alone averages the BatchNorm
+    statistics and the optimizer's state (docs/communicators.md)."""
 
     def __post_init__(self) -> None:
         require(self.bucket_mb > 0, f"comm.bucket_mb: must be > 0, got {self.bucket_mb}")

@@ -24,8 +24,9 @@ The rules (docs/communicators.md, "local"):
   allreduce of the anchor minus them and trains on; at the next round's end (or the epoch's) it lands: the outer
   step moves the anchor, and each rank's weights become the new anchor plus the steps it took since its snapshot.
   The BatchNorm statistics and the optimizer's state are averaged only by the epochs' ends' synchronisations,
-  which wait; only these count as synchronisations for the moving average and the replica guard.
-- The moving average of the weights (train.ema_decay) folds in the synchronised weights once per round.
+  which wait; only these leave equal replicas, so the moving average folds and the replica guard checks there.
+- The moving average of the weights (train.ema_decay) folds in the synchronised weights once per round (under
+  `comm.local_overlap`, once per epoch).
 - A checkpoint mid-round holds, per rank, the anchor, the outer optimizer's state and this rank's own weights,
   BatchNorm statistics and optimizer state (under `local_state: keep` or an overlapped synchronisation at every
   checkpoint), the top-k residual and an overlapped synchronisation's snapshot (its allreduce starts again): a
@@ -49,6 +50,7 @@ from trainer.comm.cost import describe_local, exchange_bytes, k_of, layout_of
 from trainer.comm.execute import WIRE_DTYPES
 from trainer.comm.sparse import scatter_payloads, select_payload
 from trainer.dist import Topology
+
 
 @dataclass
 class Overlapped:
@@ -81,6 +83,9 @@ class LocalSGD(Communicator):
         self.overlap = cfg.local_overlap
         self.pending: Overlapped | None = None
         """comm.local_overlap: the synchronisation under way (checkpointed as its snapshot)."""
+        self.background = topo.world.twin() if self.overlap else topo.world
+        """The group the overlapped allreduce runs on: not the world's own, whose every-step 1-element allreduce
+        would queue behind it (NCCL's stream, gloo's connections)."""
         self.residual: torch.Tensor | None = None
         """local_density < 1: what this rank's top-k left unsent (error feedback, checkpointed)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -133,15 +138,16 @@ class LocalSGD(Communicator):
         return self.sync()
 
     def end_round(self) -> dict[str, float] | None:
-        """The epoch's end: an overlapped synchronisation lands, and an open round synchronises now, waiting; its
-        stats, or None when nothing was open."""
-        if self.pending is None:
-            return self.sync() if self.since_sync > 0 else None
-        start, steps = time.perf_counter(), self.pending.steps
-        self.land()
+        """The epoch's end: an open round synchronises now, waiting (an overlapped synchronisation lands first);
+        its stats, or None when nothing was open."""
         if self.since_sync > 0:
             return self.sync()
-        # the epoch's last step ended the round: the replicas are equal now, their state is not yet averaged
+        if self.pending is None:
+            return None
+        # the epoch's last step ended a round, whose synchronisation is under way: once it lands the replicas are
+        # equal (no step since the snapshot), and their state is averaged
+        start, steps = time.perf_counter(), self.pending.steps
+        self.land()
         state = self.average_state()
         sent, inter = self.sync_bytes(0, state, 4, 0)
         self.per_step = {k: v + b / steps for (k, v), b in zip(self.per_step.items(), (sent, inter))}
@@ -188,9 +194,12 @@ class LocalSGD(Communicator):
 
     def sync(self) -> dict[str, float]:
         """Average the pseudo-gradient, step the anchor, copy it into the weights; average the BatchNorm statistics
-        and the optimizer's per-element state. Stats: bytes this rank sent, seconds taken."""
-        assert self.anchor is not None and self.pending is None
+        and the optimizer's per-element state (an overlapped synchronisation lands first). Stats: bytes this rank
+        sent, seconds taken."""
+        assert self.anchor is not None
         start = time.perf_counter()
+        if self.pending is not None:
+            self.land()
         with torch.no_grad():
             flat = self.pseudo_gradient([p.detach() for p in self.params])
             if self.density < 1:
@@ -202,12 +211,15 @@ class LocalSGD(Communicator):
             self.outer_step(averaged)
             torch._foreach_copy_([p.detach() for p in self.params], self.anchor)
         state = self.average_state()
-        sent, inter = self.sync_bytes(flat.numel(), state, wire_bytes, sent_k)
-        # per step of the round, as every step reports it until the next synchronisation: a log step samples
-        # the rate whether or not it synchronised
+        self.round_ended(*self.sync_bytes(flat.numel(), state, wire_bytes, sent_k))
+        return {**NO_BYTES, **self.per_step, "wait_s": time.perf_counter() - start}
+
+    def round_ended(self, sent: float, inter: float) -> None:
+        """The round's synchronisation sends `sent` bytes (`inter` across nodes): per step of the round, as every
+        step reports it until the next synchronisation (a log step samples the rate whether or not it
+        synchronised); a new round starts."""
         self.per_step = {"bytes_sent": sent / self.since_sync, "bytes_inter_node": inter / self.since_sync}
         self.since_sync = 0
-        return {**NO_BYTES, **self.per_step, "wait_s": time.perf_counter() - start}
 
     def pseudo_gradient(self, weights: list[torch.Tensor]) -> torch.Tensor:
         """The anchor minus `weights`, flat."""
@@ -259,21 +271,19 @@ class LocalSGD(Communicator):
         with torch.no_grad():
             self.launch([p.detach().clone() for p in self.params], self.since_sync)
         assert self.pending is not None
-        sent, inter = self.sync_bytes(self.pending.wire.numel(), [], self.pending.wire.element_size(), 0)
-        self.per_step = {"bytes_sent": sent / self.since_sync, "bytes_inter_node": inter / self.since_sync}
-        self.since_sync = 0
+        self.round_ended(*self.sync_bytes(self.pending.wire.numel(), [], self.pending.wire.element_size(), 0))
 
     def launch(self, snapshot: list[torch.Tensor], steps: int) -> None:
         """Start the allreduce of the anchor minus `snapshot` (the weights at a round's end)."""
         wire = self.on_wire(self.pseudo_gradient(snapshot))
-        self.pending = Overlapped(snapshot, wire, self.topo.world.all_reduce_async(wire), steps)
+        self.pending = Overlapped(snapshot, wire, self.background.all_reduce_async(wire), steps)
 
     def land(self) -> None:
         """Wait for the overlapped allreduce, step the anchor with its average; each rank's weights become the new
         anchor plus the steps it took since its snapshot."""
         pending, self.pending = self.pending, None
         assert pending is not None
-        self.topo.world.wait(pending.work, "all-reduce of the pseudo-gradient (overlapped)")
+        self.background.wait(pending.work, "all-reduce of the pseudo-gradient (overlapped)")
         with torch.no_grad():
             self.outer_step(pending.wire.float().div_(self.topo.world_size))
             params = [p.detach() for p in self.params]
@@ -349,12 +359,13 @@ class LocalSGD(Communicator):
                 assert len(live) == len(kept), "the optimizer's state does not match the checkpoint's round"
                 for t, k in zip(live, kept):
                     t.detach().copy_(k)
-            overlapped = saved.get("overlapped")
-            # the same sums as the interrupted allreduce's; resumed without comm.local_overlap, the next round
-            # sends it too (the anchor minus the weights holds both rounds' steps)
-            if overlapped is not None and self.overlap:
-                self.launch([t.to(self.topo.device, copy=True) for t in overlapped["snapshot"]], overlapped["steps"])
         self.since_sync = state["since_sync"]
+        overlapped = saved.get("overlapped")
+        if overlapped is not None and self.overlap:  # the same sums as the interrupted allreduce's
+            with torch.no_grad():
+                self.launch([t.to(self.topo.device, copy=True) for t in overlapped["snapshot"]], overlapped["steps"])
+        elif overlapped is not None:  # resumed without comm.local_overlap: the round goes on from the anchor, its
+            self.since_sync += overlapped["steps"]  # pseudo-gradient holding both rounds' steps
 
 
 def host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

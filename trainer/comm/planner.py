@@ -301,8 +301,9 @@ def predict_run(phases: list[PhasePlan], model: ModelSpec, strategy: Strategy, n
         steps = ph.epochs * ph.steps_per_epoch
         warm = min(steps, max(0, warmup_steps))
         warmup_steps -= warm
-        # the warm-up steps: dense, or local synchronising every step
-        warm_s = replace(strategy, local_steps=1).step_s(fwd, bwd, model, net)[0] if strategy.local_steps else \
+        # the warm-up steps: dense, or local synchronising every step and waiting for it
+        warm_s = replace(strategy, local_steps=1, local_overlap=False).step_s(fwd, bwd, model, net)[0] \
+            if strategy.local_steps else \
             step_seconds(fwd, bwd, model, [DENSE] * len(model.buckets), net)
         train_s += (steps - warm) * t + warm * warm_s
         for _ in range(ph.epochs):

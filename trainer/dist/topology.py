@@ -12,7 +12,7 @@ collectives are identities, so a `Topology` always has a `world` to call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 import torch
@@ -71,6 +71,12 @@ class Group(Protocol):
         """Every member's `obj` on member `dst`, in group order (None elsewhere)."""
         ...
 
+    def twin(self) -> Group:
+        """A group of the same members whose collectives do not queue behind this one's (connections, or a
+        stream, of its own), where the backend has such a thing; else this group. Collective: every rank of
+        the world calls it, in the same order."""
+        ...
+
 
 class LocalGroup:
     """The only process of a run: every collective is the identity (nothing waits, nothing is sent)."""
@@ -104,6 +110,9 @@ class LocalGroup:
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         return [obj] if dst == self.rank else None
+
+    def twin(self) -> LocalGroup:
+        return self
 
 
 def node_layout(world: int, per_node: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -154,9 +163,8 @@ class Topology:
         has one rank): collectives that never cross the links between nodes."""
         if self.intra_node is None:
             return Topology(device=self.device)
-        return Topology(rank=self.local_rank, world_size=self.ranks_per_node, local_rank=self.local_rank,
-                        ranks_per_node=self.ranks_per_node, device=self.device, world=self.intra_node,
-                        intra_node=self.intra_node, backend=self.backend)
+        return replace(self, rank=self.local_rank, world_size=self.ranks_per_node, world=self.intra_node,
+                       inter_node=None)
 
     def set_groups(self, world: Group, node_groups: Callable[[], tuple[Group, Group]]) -> None:
         """Set the world group and the node groups. `node_groups()` returns this rank's (intra-node, inter-node)

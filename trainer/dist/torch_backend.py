@@ -165,6 +165,12 @@ class TorchGroup:
             raise self.failure("gather_object", e) from e
         return out
 
+    def twin(self) -> TorchGroup:
+        """A new process group of the same members: gloo connections, or an NCCL communicator and stream, of its
+        own."""
+        pg = dist.new_group(ranks=self.members, timeout=self.timeout, backend=dist.get_backend(self.pg))
+        return TorchGroup(pg, self.global_rank, self.timeout, self.liveness)
+
 
 def _env_int(*names: str, default: int) -> int:
     for name in names:
