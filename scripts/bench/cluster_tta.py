@@ -241,9 +241,10 @@ def counter_delta(before: Mapping[str, Mapping[str, int]], after: Mapping[str, M
 
 def make_record(run: Run, launched: float, rate: str, kind: str, overrides: Sequence[str],
                 records: Sequence[Mapping[str, Any]], interfaces: Mapping[str, Any],
-                targets: Sequence[float], consecutive: int) -> dict[str, Any]:
+                targets: Sequence[float], consecutive: int, commit: str | None = None) -> dict[str, Any]:
     """One run's saved record: the run as tta_stats reads it (the trainer's clock, start-up choices included), the
-    seconds from the launch to each evaluation, and what it sent."""
+    seconds from the launch to each evaluation, what it sent, and the code it ran (`commit`: the tree's at its
+    launch; default the bench's start, which a long run may have moved on from)."""
     since = from_launch(run, launched)
     return {"rate": rate, "kind": kind, "seed": run.seed, "overrides": list(overrides), "config": run.config,
             "target_consecutive": consecutive, "nodes": NODES, "ranks_per_node": RANKS_PER_NODE,
@@ -254,7 +255,7 @@ def make_record(run: Run, launched: float, rate: str, kind: str, overrides: Sequ
             "final_top1": run.final_top1, "best_top1": run.best_top1,
             "comm_bytes_per_node": comm_bytes(records, RANKS_PER_NODE), "interface_bytes": dict(interfaces),
             "auto": auto_seconds(records, launched) if kind == "auto" else {},
-            "commit": common.start_commit(), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "commit": commit or common.start_commit(), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 # ---------------------------------------------------------------- medians and spread
@@ -352,12 +353,12 @@ def launch(seed: int, rate: str, kind: str, overrides: Sequence[str], out: Path,
                                [f"dist.ranks_per_node={RANKS_PER_NODE}", "train.choices_cache=none", *overrides])
         cmd = [str(common.REPO / "scripts" / "netem" / "run.sh"), "--nproc-per-node", str(RANKS_PER_NODE),
                "--port", str(PORT), "--threads", "1", *args]
-        launched = time.time()
+        launched, commit = time.time(), common.commit()  # the tree this run's processes import
         seconds = common.run_logged(cmd, run_dir, timeout_s, env={**NETEM_ENV, "PY": sys.executable})
     interfaces = counter_delta(before, interface_bytes(NETEM_ENV["NETEM_PREFIX"], NODES))
     run = read_run("recipe", seed, run_dir, seconds, load_before, os.getloadavg()[0], tta.RECIPE_CONFIG)
     record = make_record(run, launched, rate, kind, overrides, metrics_records(run_dir), interfaces, targets,
-                         consecutive)
+                         consecutive, commit)
     path = out / "records" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
