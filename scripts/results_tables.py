@@ -428,7 +428,7 @@ def cluster_tta(r: dict[str, Any]) -> list[str]:
     which = cluster_which_target(r)
     return [f"{r['model']} on the TTA photos, {r['layout']} ranks (nodes x ranks) of the emulated cluster, every run "
             f"to the end of its schedule; seconds from the launch (start-up included) to each target at "
-            f"{r['target_consecutive']} evaluations in a row, median over seeds {', '.join(map(str, r['seeds']))} "
+            f"{r['target_consecutive']} evaluations in a row, median over {cluster_seeds_run(r)} "
             f"({r['runs_done']} of {r['runs_planned']} runs) with the range of the seeds that reached it; a miss "
             "counts as infinitely slow, so a median is a miss when half the seeds or more missed.", "",
             *table(["links", "kind", *[f"s to {100 * float(t):g}%" for t in r["targets"]],
@@ -436,6 +436,15 @@ def cluster_tta(r: dict[str, Any]) -> list[str]:
                     "best top-1", "comm MB/node", "comm inter-node MB/node", "interface MB sent/node",
                     "auto's seconds"], rows), "",
             *cluster_which_kind(r)]
+
+
+def cluster_seeds_run(r: dict[str, Any]) -> str:
+    """The seeds that have runs, and the planned ones that have none yet."""
+    ran = sorted({run["seed"] for run in r["runs"]})
+    left = [s for s in r["seeds"] if s not in ran]
+    return (f"seed{'s' if len(ran) > 1 else ''} {', '.join(map(str, ran))}"
+            + (f" ({', '.join(map(str, left))} not yet run: no spread)" if left and len(ran) == 1
+               else f" ({', '.join(map(str, left))} not yet run)" if left else ""))
 
 
 def cluster_which_target(r: dict[str, Any]) -> str:
@@ -529,7 +538,8 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
                     "slowest link run",
                     lambda r: ("-" if r["ratio"] is None else f"{r['ratio']:.3f}") + "; which kind: "
                               + ", ".join(f"{rate} {w['kind'] or 'none'}" for rate, w in r["which_kind"].items())
-                              + ("" if r["complete"] else f" ({r['runs_done']} of {r['runs_planned']} runs)")),
+                              + ("" if r["complete"] else f" (partial: {cluster_seeds_run(r)}; {r['runs_done']} of "
+                                                          f"{r['runs_planned']} runs)")),
     "links": ("emulated cluster: the node-crossing links auto fits at start-up / plain TCP between the nodes",
               lambda r: (lambda auto: f"{sum(abs(x - 1) <= r['tolerance'] for x in auto.values())} of {len(auto)} "
                          f"within {100 * r['tolerance']:g}%; " + ", ".join(f"{k} {x:.2f}" for k, x in auto.items()))(
