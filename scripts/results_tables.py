@@ -440,7 +440,7 @@ def cluster_tta(r: dict[str, Any]) -> list[str]:
 
 def cluster_seeds_run(r: dict[str, Any]) -> str:
     """The seeds that have runs, and the planned ones that have none yet."""
-    ran = sorted({run["seed"] for run in r["runs"]})
+    ran = sorted({run["seed"] for run in r.get("runs", ())}) or list(r["seeds"])
     left = [s for s in r["seeds"] if s not in ran]
     return (f"seed{'s' if len(ran) > 1 else ''} {', '.join(map(str, ran))}"
             + (f" ({', '.join(map(str, left))} not yet run: no spread)" if left and len(ran) == 1

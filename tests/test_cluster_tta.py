@@ -174,7 +174,8 @@ def result() -> dict:
     cells = cluster_tta.summarize(runs, [0.7])
     return {"model": "resnet18", "layout": "2x2", "seeds": [100, 101], "runs_done": 6, "runs_planned": 8,
             "complete": False, "target_consecutive": 2, "targets": ["0.7"], "cells": cells,
-            "which_kind": cluster_tta.which_kind(cells), "ratio": cluster_tta.headline_ratio(cells, ["200mbit"])}
+            "which_kind": cluster_tta.which_kind(cells), "ratio": cluster_tta.headline_ratio(cells, ["200mbit"]),
+            "runs": runs}
 
 
 def test_the_tables_show_misses_and_the_kind_per_rate():
@@ -184,7 +185,12 @@ def test_the_tables_show_misses_and_the_kind_per_rate():
     assert "| 200mbit | resnet18 | **dense** | 510 |" in text and "| 1gbit | resnet18 | **auto** | 180 |" in text
     assert "calibrated_after_s 40" in text and "6 of 8 runs" in text
     what, figure = results_tables.SUMMARY["cluster_tta"]
-    assert figure(result()) == "1.000; which kind: 200mbit dense, 1gbit auto (6 of 8 runs)"
+    assert figure(result()) == "1.000; which kind: 200mbit dense, 1gbit auto (partial: seeds 100, 101; 6 of 8 runs)"
+    # a partial result of one seed says so: its ranges are one run's
+    one = {**result(), "seeds": [100, 101, 102]}
+    one["runs"] = [r for r in one["runs"] if r["seed"] == 100]
+    assert "partial: seed 100 (101, 102 not yet run: no spread)" in figure(one)
+    assert "median over seed 100 (101, 102 not yet run: no spread)" in "\n".join(results_tables.cluster_tta(one))
 
 
 def test_no_results_file_renders_a_note_and_a_file_renders_the_table(tmp_path):
