@@ -32,7 +32,7 @@ WINDOW = 8
 
 MEASURING_DENSE = ("measure_dense", "compare_dense", "recheck_dense")
 """The actions whose all-dense window only measures (the next check decides): the steps it times, + 1, not
-`comm.redecide_every` (each a dense step on what may be a slow link)."""
+`comm.redecide_every` when that is longer (each a dense step on what may be a slow link)."""
 
 
 ActionKind = Literal["try", "keep", "switch", "measure_dense", "compare_dense", "recheck_dense", "restore", "hold"]
@@ -316,9 +316,11 @@ class Policy:
     def _action(self, kind: ActionKind, message: str = "") -> Action:
         if kind == "try":
             steps = timed = self.cfg.trial_steps
-        elif kind in MEASURING_DENSE:  # all dense at today's (maybe slow) links: only the steps it times, + 1
+        elif kind == "recheck_dense":  # all dense at today's (maybe slow) links: only the steps it times, + 1
             steps = min(self.cfg.redecide_every, WINDOW) + 1
             timed = steps - 1
+        elif kind in MEASURING_DENSE:  # the same, never longer than the plan's own window
+            steps, timed = min(self.cfg.redecide_every, WINDOW + 1), min(self.cfg.redecide_every, WINDOW)
         else:
             steps, timed = self.cfg.redecide_every, min(self.cfg.redecide_every, WINDOW)
         return Action(kind, self.plan, steps, timed, self.net.net_scale, tuple(self.ready), message)
