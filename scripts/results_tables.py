@@ -442,9 +442,9 @@ def cluster_seeds_run(r: dict[str, Any]) -> str:
     """The seeds that have runs, and the planned ones that have none yet."""
     ran = sorted({run["seed"] for run in r.get("runs", ())}) or list(r["seeds"])
     left = [s for s in r["seeds"] if s not in ran]
+    spread = ": no spread" if len(ran) == 1 else ""
     return (f"seed{'s' if len(ran) > 1 else ''} {', '.join(map(str, ran))}"
-            + (f" ({', '.join(map(str, left))} not yet run: no spread)" if left and len(ran) == 1
-               else f" ({', '.join(map(str, left))} not yet run)" if left else ""))
+            + (f" ({', '.join(map(str, left))} not yet run{spread})" if left else ""))
 
 
 def cluster_which_target(r: dict[str, Any]) -> str:

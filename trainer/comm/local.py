@@ -150,7 +150,8 @@ class LocalSGD(Communicator):
         self.land()
         state = self.average_state()
         sent, inter = self.sync_bytes(0, state, 4, 0)
-        self.per_step = {k: v + b / steps for (k, v), b in zip(self.per_step.items(), (sent, inter))}
+        self.per_step = {"bytes_sent": self.per_step["bytes_sent"] + sent / steps,
+                         "bytes_inter_node": self.per_step["bytes_inter_node"] + inter / steps}
         return {**NO_BYTES, **self.per_step, "wait_s": time.perf_counter() - start}
 
     # ------------------------------------------------------------ top-k selection (trainer/choices.py)

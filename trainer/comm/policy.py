@@ -316,11 +316,10 @@ class Policy:
     def _action(self, kind: ActionKind, message: str = "") -> Action:
         if kind == "try":
             steps = timed = self.cfg.trial_steps
-        elif kind == "recheck_dense":  # all dense at today's (maybe slow) links: only the steps it times, + 1
-            steps = min(self.cfg.redecide_every, WINDOW) + 1
-            timed = steps - 1
-        elif kind in MEASURING_DENSE:  # the same, never longer than the plan's own window
-            steps, timed = min(self.cfg.redecide_every, WINDOW + 1), min(self.cfg.redecide_every, WINDOW)
+        elif kind in MEASURING_DENSE:  # all dense at today's (maybe slow) links: only the steps it times, + 1
+            timed = min(self.cfg.redecide_every, WINDOW)
+            # a move's or a comparison's window is never longer than the plan's own
+            steps = timed + 1 if kind == "recheck_dense" else min(self.cfg.redecide_every, timed + 1)
         else:
             steps, timed = self.cfg.redecide_every, min(self.cfg.redecide_every, WINDOW)
         return Action(kind, self.plan, steps, timed, self.net.net_scale, tuple(self.ready), message)
