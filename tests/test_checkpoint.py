@@ -378,14 +378,16 @@ LEAVE_DURING_A_BACKGROUND_WRITE = """
 import sys, torch
 from trainer.checkpoint import CheckpointWriter
 writer = CheckpointWriter(sys.argv[1], rank=0, world_size=2, wait_timeout_s=600)
-# rank 0's thread writes its part, then waits for rank 1's record, which never comes
-writer.write_in_background(1, {"rank-00000.pt": {"x": torch.ones(3)}}, "token")
+# rank 0's thread writes its part (64 MB: the save is still in torch's C++ when the error leaves), then
+# waits for rank 1's record, which never comes
+writer.write_in_background(1, {"rank-00000.pt": {"x": torch.ones(16_000_000)}}, "token")
 raise RuntimeError("the training thread failed")
 """
 
 
 def test_a_process_leaving_on_an_error_does_not_wait_for_its_background_write(tmp_path):
-    # a hang guard, not a timing: the writer would wait 600 s for rank 1
+    # a hang guard, not a timing: the writer would wait 600 s for rank 1; and the process leaves with its error,
+    # not aborted (SIGABRT) by finalization catching the writer inside torch's save
     result = subprocess.run([sys.executable, "-c", LEAVE_DURING_A_BACKGROUND_WRITE, str(tmp_path / "checkpoints")],
                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=240)
     assert result.returncode == 1 and "the training thread failed" in result.stderr

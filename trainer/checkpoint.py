@@ -19,6 +19,7 @@ the older checkpoints as they were. Every file opens with torch.load(weights_onl
 
 from __future__ import annotations
 
+import atexit
 import errno as errnos
 import hashlib
 import io
@@ -30,6 +31,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from concurrent.futures import Future
 from datetime import datetime, timezone
 from pathlib import Path
@@ -333,6 +335,20 @@ def prune(folder: Path, keep: int) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
+_WRITERS: weakref.WeakSet[CheckpointWriter] = weakref.WeakSet()
+_EXIT_WAIT_S = 60.0
+
+
+@atexit.register
+def _stop_background_writes() -> None:
+    # Before the interpreter finalizes: a daemon writer thread still inside torch's C++ (a save releases the
+    # GIL) when finalization takes the GIL away is unwound through a noexcept frame, and the process aborts
+    # (SIGABRT) instead of leaving with its error. Let each thread finish its own files, but not wait for the
+    # other ranks' records.
+    for writer in list(_WRITERS):
+        writer.abort(timeout_s=_EXIT_WAIT_S)
+
+
 class CheckpointWriter:
     """Writes this rank's part of checkpoints into RUN/checkpoints, now or on a background thread; rank 0 also
     writes the manifest once every rank's record is there, and prunes to the newest `keep`."""
@@ -348,6 +364,7 @@ class CheckpointWriter:
         self._written: Future | None = None  # this rank's own files and record
         self._pending: Future | None = None  # all of it: on rank 0 also the manifest and pruning
         self._stop = threading.Event()
+        _WRITERS.add(self)
 
     def write(self, step: int, files: dict[str, Any], token: str) -> Path:
         """This rank's `files` of checkpoint `step` (file name → object); returns the folder. The folder becomes
@@ -375,9 +392,9 @@ class CheckpointWriter:
         snapshot = {name: obj if name in copied else to_host(obj) for name, obj in files.items()}
         written, pending = Future(), Future()
         self._stop.clear()
-        # A daemon thread: a process leaving on an error does not wait for a write (rank 0's wait for the other
-        # ranks' records can last wait_timeout_s); the files are atomic, so a write cut short leaves no torn one.
-        # The run waits for its writes on the normal path (`wait`).
+        # A daemon thread: a process leaving on an error does not wait for rank 0's wait for the other ranks'
+        # records (it can last wait_timeout_s; `_stop_background_writes` stops it at exit); the files are
+        # atomic, so a write cut short leaves no torn one. The run waits for its writes on the normal path.
         threading.Thread(target=self._write_and_finish, args=(written, pending, step, snapshot, token),
                          name="checkpoint-writer", daemon=True).start()
         self._written, self._pending, self.pending_step = written, pending, step
@@ -409,14 +426,17 @@ class CheckpointWriter:
         if self._written is not None:
             self._result(self._written)
 
-    def abort(self) -> None:
+    def abort(self, timeout_s: float | None = None) -> None:
         """Give up the background write after a rank failed: rank 0's thread stops waiting for records that
-        will not come; returns once the thread is done (whatever it raised is dropped: the caller reports the
-        failure)."""
+        will not come; returns once the thread is done, or after `timeout_s` (whatever it raised is dropped: the
+        caller reports the failure)."""
         pending, self._written, self._pending, self.pending_step = self._pending, None, None, None
         self._stop.set()
         if pending is not None:
-            pending.exception()  # waits for the thread, without raising what it raised
+            try:
+                pending.exception(timeout=timeout_s)  # waits for the thread, without raising what it raised
+            except TimeoutError:
+                pass  # a stuck file system: leave rather than hang
 
     def wait(self) -> float | None:
         """Wait for a background write; return the seconds its thread took (None when none was pending), or
