@@ -24,6 +24,13 @@ dense; after them a link change may re-decide)."""
 MAX_TRIALS = 3
 """Plans tried, measured, after calibration (the model's and the fastest uniform ones it predicts)."""
 
+TRIAL_REACH = 2.0
+"""A planned trial runs only while its plan could still be the fastest: predicted (all dense: as the calibration
+measured it) within this factor of the fastest trial measured so far. The model is mostly optimistic (it leaves
+out overheads) and can be far off for a sparse plan on a CPU, so the order of the trials stays the model's and
+only a plan already beaten by this factor in measured time is skipped: on a slow link, all dense's trial would
+spend `comm.trial_steps` of its slowest steps confirming what the calibration measured."""
+
 SCALE_RANGE = (0.05, 100.0)
 """Bounds of the measured/modelled scale of the collectives (a wild measurement cannot zero or explode it)."""
 
@@ -110,13 +117,17 @@ class Policy:
         window's)."""
         self.plan: Plan = (DENSE,) * len(self.sizes)
         self.dense_cost_s = 0.0
-        """The last measured all-dense step cost: a plan slower than it by more than `hysteresis` is compared."""
+        """The last measured all-dense step cost (scaled by a link move not measured again): a plan slower than
+        it by more than `hysteresis` is compared."""
         self.dense_hold = 0
         """Drift checks left before a plan reverted to dense may leave it again."""
         self.trials: list[Plan] = []
-        """The plans tried after calibration, all dense last."""
+        """The plans tried after calibration, all dense last unless it was out of reach (`TRIAL_REACH`)."""
         self.tried: list[tuple[float, list[float]]] = []
         """Each finished trial's step cost and chain seconds per bucket."""
+        self.calibration: tuple[float, list[float]] = (0.0, [])
+        """The calibration's all-dense step cost and chain seconds per bucket: all dense's when its trial is
+        skipped."""
         self._reference: list[float] | None = None
         """The chain seconds per bucket drift is judged against (None: the next window sets it)."""
         self._settling = False
@@ -143,6 +154,7 @@ class Policy:
         ratio = calibration.chain_s[top] / dense_pred[top] if dense_pred[top] > 0 else 1.0
         self.net = dataclasses.replace(net, net_scale=_clamp(ratio))
         self.ready, self.dense_cost_s = list(calibration.ready_before_end), calibration.cost_s
+        self.calibration = (calibration.cost_s, list(calibration.chain_s))
         plans = self._trial_plans()
         first = plans[0] if plans else self.dense
         self.trials = plans + [self.dense] if self.cfg.trial_steps and plans else []
@@ -150,7 +162,8 @@ class Policy:
         self._reference = list(calibration.chain_s) if first == self.dense else None
         if self.trials:
             return self._action("try", f"comm auto: trying {len(self.trials) - 1} plan(s), then all dense, "
-                                       f"{self.cfg.trial_steps} steps each")
+                                       f"{self.cfg.trial_steps} steps each, while within x{TRIAL_REACH:g} of the "
+                                       "fastest measured")
         return self._action("keep")
 
     def _trial_plans(self) -> list[Plan]:
@@ -168,26 +181,48 @@ class Policy:
         return out
 
     def _end_trial(self, window: Window) -> Action:
-        """The next trial; after the last one (all dense) the plan that measured fastest, if it beat all dense
-        by the choice's margin, else all dense: the model can be wrong where it matters most, inside the step."""
+        """The next trial still within reach; after the last one the plan that measured fastest, if it beat all
+        dense (its trial, or the calibration when its trial was out of reach) by the choice's margin, else all
+        dense: the model can be wrong where it matters most, inside the step."""
         self.tried.append((window.cost_s, list(window.chain_s)))
         message = f"comm auto: tried {plan_summary(self.plan)}: {window.cost_s * 1e3:.1f} ms"
+        fastest = min(cost for cost, _ in self.tried)
+        done, planned = self.trials[:len(self.tried)], self.trials[len(self.tried):]
+        self.trials = done + [plan for plan in planned if self._estimate(plan) <= TRIAL_REACH * fastest]
+        skipped = len(done) + len(planned) - len(self.trials)
+        if skipped:
+            message += f"\ncomm auto: {skipped} trial(s) skipped: beyond x{TRIAL_REACH:g} of {fastest * 1e3:.1f} ms"
         if len(self.tried) < len(self.trials):
             self._use(self.trials[len(self.tried)])
             return self._action("try", message)
-        self.dense_cost_s = self.tried[-1][0]
-        best = min(range(len(self.tried) - 1), key=lambda i: self.tried[i][0])
-        pick = best if self.tried[best][0] < (1 - MARGIN) * self.dense_cost_s else -1
-        self._use(self.trials[pick] if pick >= 0 else self.dense)
-        # the kept plan's measured window: all dense is the last trial (pick -1), so a link change in the
+        measured = list(zip(self.trials, self.tried))
+        if self.trials[-1] != self.dense:
+            measured.append((self.dense, self.calibration))
+        *others, (_, dense) = measured
+        self.dense_cost_s = dense[0]
+        where = "" if self.trials[-1] == self.dense else " (calibration)"
+        plan, (cost, chain) = min(others, key=lambda pair: pair[1][0])
+        if cost >= (1 - MARGIN) * self.dense_cost_s:
+            plan, chain = self.dense, dense[1]
+        self._use(plan)
+        # the kept plan's measured window (all dense: its trial, else the calibration), so a link change in the
         # window after the trials is a move from it, not a new plan's settling reference that absorbs it
-        self._reference = self.tried[pick][1]
-        return self._action("keep", f"{message}\ncomm auto: all dense measured {self.dense_cost_s * 1e3:.1f} ms; "
-                                    f"keeping {plan_summary(self.plan)}")
+        self._reference = list(chain)
+        return self._action("keep", f"{message}\ncomm auto: all dense measured {self.dense_cost_s * 1e3:.1f} ms"
+                                    f"{where}; keeping {plan_summary(self.plan)}")
+
+    def _estimate(self, plan: Plan) -> float:
+        """A planned trial's step cost before it runs: all dense's as the calibration measured it, another plan's
+        as the model predicts it."""
+        return self.calibration[0] if plan == self.dense else self._predicted(plan)
 
     def trial_results(self) -> list[tuple[str, float]]:
-        """(plan summary, measured step cost in seconds) of each finished trial, all dense last."""
-        return [(plan_summary(plan), cost) for plan, (cost, _) in zip(self.trials, self.tried)]
+        """(plan summary, measured step cost in seconds) of each finished trial, all dense last: its trial, or
+        the calibration (marked so) when its trial was out of reach."""
+        out = [(plan_summary(plan), cost) for plan, (cost, _) in zip(self.trials, self.tried)]
+        if self.trials and len(self.tried) == len(self.trials) and self.trials[-1] != self.dense:
+            out.append((f"{plan_summary(self.dense)} (calibration)", self.calibration[0]))
+        return out
 
     # ------------------------------------------------------------ drift
 
@@ -235,8 +270,8 @@ class Policy:
             moved = True
         if moved:
             self.net = dataclasses.replace(self.net, net_scale=_clamp(self.net.net_scale * ratio))
-        # the comparison's baseline is always a measured all-dense step under today's links: it follows the
-        # measurements while the plan is all dense, and a link change under a sparse plan measures it again
+        # the comparison's baseline is a measured all-dense step under today's links: it follows the measurements
+        # while the plan is all dense; a link change under a sparse plan measures it again, or scales it (below)
         if dense_now:
             self.dense_cost_s = cost
         self.dense_hold = max(self.dense_hold - 1, 0)
@@ -266,10 +301,15 @@ class Policy:
             self.dense_hold = HOLD_CHECKS
             return self._action("hold", f"{said}; staying dense: {_pairs(self.plan)}")
         if not dense_now and moved:
-            self._remeasure, self._reference = True, None
-            self._use(self.dense)
-            return self._action("measure_dense", f"comm auto: link times moved x{ratio:.2f}; one window all dense "
-                                                 f"to measure it: {_pairs(self.plan)}")
+            # all dense measures the moved links only where it could be the faster plan on them: its last measured
+            # step scaled by the move, against this plan's (on a slow link a dense window costs what it measures);
+            # else the baseline follows the move as the model's scale does, and the model decides
+            if self.dense_cost_s * ratio < (1 + h) * cost:
+                self._remeasure, self._reference = True, None
+                self._use(self.dense)
+                return self._action("measure_dense", f"comm auto: link times moved x{ratio:.2f}; one window all "
+                                                     f"dense to measure it: {_pairs(self.plan)}")
+            self.dense_cost_s *= ratio
         # a sparse plan's chains are mostly its own selection: a link that got faster barely shows in them, so
         # every `dense_recheck_every` checks a short all-dense window measures today's links and is compared
         every = self.cfg.dense_recheck_every
