@@ -391,7 +391,11 @@ def test_a_process_leaving_on_an_error_does_not_wait_for_its_background_write(tm
     result = subprocess.run([sys.executable, "-c", LEAVE_DURING_A_BACKGROUND_WRITE, str(tmp_path / "checkpoints")],
                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=240)
     assert result.returncode == 1 and "the training thread failed" in result.stderr
-    assert not (tmp_path / "checkpoints" / "step-00000001" / MANIFEST).exists()
+    step = tmp_path / "checkpoints" / "step-00000001"
+    assert not (step / MANIFEST).exists()
+    # the thread finished rank 0's own part before the process left: its file and its record
+    assert json.loads((step / "rank-00000.json").read_text())["token"] == "token"
+    assert torch.load(step / "rank-00000.pt")["x"].numel() == 16_000_000
 
 
 def test_prune_keeps_the_newest_complete_checkpoints_not_a_torn_one(tmp_path):

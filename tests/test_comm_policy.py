@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -27,12 +28,13 @@ READY = (0.0, 0.0)
 """Both buckets ready at the end of backward: nothing hides."""
 
 
-def network(bytes_per_s: float) -> Network:
-    """Links of `bytes_per_s` (the 16-bit wire no faster per element: dense16 never pays), 20 ns per element
-    selected: the model keeps dense at 1 GB/s and picks top-k for the large bucket at 100 MB/s."""
+def network(bytes_per_s: float, select_s: float = 2e-8) -> Network:
+    """Links of `bytes_per_s` (the 16-bit wire no faster per element: dense16 never pays), `select_s` per element
+    selected: the model keeps dense at 1 GB/s and picks top-k for the large bucket at 100 MB/s. At 20 ns top-k's
+    chain is 89% selection (too little network to tell a link move from it), at 2 ns 44%."""
     link = Link(1e-5, bytes_per_s)
     return Network(LAYOUT, {"world": link, "world16": Link(1e-5, bytes_per_s / 2), "world_gather": link},
-                   Selection(0.0, 2e-8))
+                   Selection(0.0, select_s))
 
 
 def policy(trial_steps: int = 0, redecide_every: int = 10, hysteresis: float = 0.1,
@@ -129,6 +131,25 @@ def test_a_trial_beyond_reach_of_the_fastest_measured_is_skipped():
     p, _ = started(net, trial_steps=3)
     action = run_trials(p, net, {TOPK_PLAN: 0.4, dense16: 0.45, DENSE_PLAN: 0.35})
     assert p.trials == [TOPK_PLAN, dense16, DENSE_PLAN] and (action.plan, p.dense_cost_s) == (DENSE_PLAN, 0.35)
+    # a slow trial after a fast one: reach is judged against the fastest so far (dense's 0.5 s is beyond 2x top-k's
+    # 0.1 s), not against the last (dense16's 1 s)
+    p, _ = started(net, trial_steps=3)
+    action = run_trials(p, net, {TOPK_PLAN: 0.1, dense16: 1.0, DENSE_PLAN: 0.5})
+    assert p.trials == [TOPK_PLAN, dense16] and (action.plan, p.dense_cost_s) == (TOPK_PLAN, 0.5)
+
+
+def test_a_calibration_that_overstates_dense_twice_over_is_caught_by_the_periodic_recheck():
+    """The accepted limit of skipping all dense's trial: a calibration that measured dense (0.5 s) more than
+    TRIAL_REACH times its true step (0.08 s) keeps a top-k plan (0.1 s) that dense would beat, until the periodic
+    all-dense window measures dense and holds it (`comm.dense_recheck_every` checks later)."""
+    net = network(1e8)
+    p, _ = started(net, trial_steps=3, dense_recheck_every=3)
+    action = run_trials(p, net, {TOPK_PLAN: 0.1, DENSE_PLAN: 0.08})
+    assert action.plan == TOPK_PLAN and p.dense_cost_s == 0.5  # not caught at the trials
+    checks = [p.observe(window(net, TOPK_PLAN, 0.1)) for _ in range(3)]
+    assert [a.kind for a in checks] == ["keep", "keep", "recheck_dense"]
+    held = p.observe(window(net, DENSE_PLAN, 0.08))
+    assert (held.kind, held.plan, p.dense_cost_s) == ("hold", DENSE_PLAN, 0.08)
 
 
 # ---------------------------------------------------------------- drift
@@ -175,18 +196,40 @@ def test_drift_is_judged_on_the_bucket_that_measured_longest_not_on_a_noisy_smal
 
 
 def test_a_slower_link_under_a_sparse_plan_far_ahead_of_dense_keeps_it_without_a_dense_window():
-    """Dense measured 0.5 s, top-k 0.1 s: slower links cannot make dense the faster plan, so no dense step is
-    spent measuring them; the model's scale and the dense baseline follow top-k's chains. Fails on a policy that
-    measures dense at every move, or that ignores the move."""
-    net = network(1e8)
+    """Dense measured 0.5 s, top-k 0.1 s: slower links cannot make dense (no faster than it measured) the faster
+    plan, so no dense step is spent measuring them; the model's scale follows the network part of top-k's chain,
+    the links' own move, not the whole chain's (mostly selection). Fails on a policy that measures dense at every
+    move, that ignores the move, or that scales the links by the diluted chain."""
+    net = network(1e8, select_s=2e-9)
     p, first = started(net)
     assert first.plan == TOPK_PLAN
     [p.observe(window(net, TOPK_PLAN, 0.1)) for _ in range(2)]  # the plan's reference settles
     moved = [p.observe(window(net, TOPK_PLAN, 0.1, link_factor=4)) for _ in range(2)]
     assert [(a.kind, a.plan) for a in moved] == [("keep", TOPK_PLAN)] * 2
-    ratio = moved[1].net_scale  # top-k's chains, mostly its own selection, moved less than the links
-    assert 1.2 < ratio < 4 and p.dense_cost_s == pytest.approx(0.5 * ratio)
+    assert moved[1].net_scale == pytest.approx(4) and p.dense_cost_s == 0.5  # a lower bound of dense now
     assert [p.observe(window(net, TOPK_PLAN, 0.1, link_factor=4)).kind for _ in range(3)] == ["keep"] * 3
+
+
+@pytest.mark.parametrize("select_s,factor,kind", [(2e-8, 0.1, "measure_dense"), (2e-9, 0.1, "measure_dense"),
+                                                  (2e-9, 0.8, "keep")])
+def test_a_faster_link_under_a_sparse_plan_far_ahead_of_dense_measures_dense_if_it_could_win(select_s, factor, kind):
+    """Top-k 0.1 s, dense 0.5 s, then links `factor` times as slow. Dense's step now is at least 0.5 s scaled by the
+    links' move: 10x faster links (0.05 s) may make it the faster plan, one short window measures it; 1.25x faster
+    ones (0.4 s) cannot, and the baseline becomes that bound. Where top-k's chain is mostly selection (20 ns per
+    element) it cannot tell the move, and dense is measured. Fails on a policy that bounds dense by the whole
+    chain's move (0.9 of 0.5 s: it would keep top-k on links 10x faster), or that measures dense at every move."""
+    net = network(1e8, select_s=select_s)
+    p, first = started(net)
+    assert first.plan == TOPK_PLAN
+    [p.observe(window(net, TOPK_PLAN, 0.1)) for _ in range(2)]
+    moved = [p.observe(window(net, TOPK_PLAN, 0.1, link_factor=factor)) for _ in range(2)]
+    assert [a.kind for a in moved] == ["keep", kind]
+    if kind == "keep":
+        assert moved[1].plan == TOPK_PLAN and moved[1].net_scale == pytest.approx(factor)
+        assert p.dense_cost_s == pytest.approx(0.5 * factor)
+    else:
+        assert moved[1].plan == DENSE_PLAN
+        assert (moved[1].steps, moved[1].timed) == (min(10, WINDOW) + 1, min(10, WINDOW))
 
 
 def test_a_link_change_under_a_sparse_plan_close_to_dense_measures_dense_again_before_deciding():
@@ -301,18 +344,23 @@ def _plan(pairs: list[list]) -> tuple[Choice, ...]:
 
 
 CHANGED = {
-    # scenario -> (step, action) where the policy now decides otherwise than the recorded run; the replay checks
-    # the new action there and stops (the recorded windows after it ran other plans)
-    # dense's 57 ms scaled by the x10.19 move cannot beat dense16's 261 ms: no dense window to measure it, the
-    # switch to top-k that the recorded run made after that window comes a window earlier
-    "link_slows_under_dense": (6, ("switch", (DENSE, TOPK), False)),
-    # dense's 511 ms scaled by the x2.27 move cannot beat 228 ms: no dense window (the recorded run measured
-    # 3086 ms there and came back to the same plan)
-    "link_slows_under_topk": (4, ("keep", (Choice("dense16", 1.0), TOPK), False)),
+    # scenario -> where the policy now decides otherwise than the recorded run: at recorded `step` it takes `kind`
+    # with `plan`, its dense baseline is `dense_s`; the replay checks that, then stops (`resume` None: the recorded
+    # windows after it ran plans this policy does not) or goes on from recorded step `resume`, checking the
+    # baseline and the messages that quote it again once it has measured all dense itself
+    # dense's 57 ms is a lower bound on the slower links, within reach of dense16's 261 ms: measured, as recorded;
+    # the scale now follows the network part of dense16's chain (6.07 where the chain gave 5.99)
+    "link_slows_under_dense": {"step": 6, "kind": "measure_dense", "plan": (DENSE, DENSE),
+                               "dense_s": 0.05706741050016717, "resume": 7},
+    # dense's 511 ms, a lower bound on the slower links, cannot beat 228 ms: no dense window. The recorded run's
+    # window measured the links at x6.77 of the calibration; the network part of top-k's chain says about the same
+    # (the whole chain said x2.37)
+    "link_slows_under_topk": {"step": 4, "kind": "keep", "plan": (Choice("dense16", 1.0), TOPK),
+                              "dense_s": 0.5111378319998039, "scale": 6.774766873314367, "resume": None},
     # top-k's 104 ms puts dense16 (predicted 244 ms) and dense (the calibration's 486 ms) beyond TRIAL_REACH: the
-    # recorded run tried both and kept top-k
-    "longer_backward": (1, ("keep", (DENSE, TOPK), False)),
-    "trials_first": (1, ("keep", (DENSE, TOPK), False)),
+    # recorded run tried both (steps 2, 3) and kept top-k
+    "longer_backward": {"step": 1, "kind": "keep", "plan": (DENSE, TOPK), "dense_s": 0.4858171644991671, "resume": 4},
+    "trials_first": {"step": 1, "kind": "keep", "plan": (DENSE, TOPK), "dense_s": 0.4838867454991487, "resume": None},
 }
 
 
@@ -326,7 +374,11 @@ def test_recorded_runs_replay_to_the_same_actions(name):
                      dense_below=s["dense_below"])
     p = Policy(cfg, run["sizes"], lambda i: candidates(run["sizes"][i], layout, cfg.densities, cfg.min_density,
                                                        cfg.dense_below), s["local_competes"])
-    for i, step in enumerate(run["steps"]):
+    changed = CHANGED.get(name)
+    diverged = baseline_differs = False
+    i = 0
+    while i < len(run["steps"]):
+        step = run["steps"][i]
         expect = step["expect"]
         if "calibration" in step:
             c, n = step["calibration"], step["calibration"]["net"]
@@ -337,13 +389,27 @@ def test_recorded_runs_replay_to_the_same_actions(name):
         else:
             w = step["window"]
             action = p.observe(Window(_plan(w["plan"]), tuple(w["ready"]), tuple(w["chain"]), w["cost"]))
-            if name in CHANGED and CHANGED[name][0] == i:
-                assert (action.kind, action.plan, action.trial) == CHANGED[name][1]
-                return
-            assert p.dense_cost_s == expect["dense_cost_s"], i
-            if "dense_hold" in expect:  # a drift check
+            if changed is not None and changed["step"] == i:
+                assert (action.kind, action.plan, action.trial) == (changed["kind"], changed["plan"], False)
+                assert p.dense_cost_s == changed["dense_s"]
+                if "scale" in changed:
+                    assert action.net_scale == pytest.approx(changed["scale"], rel=0.15)
+                if changed["resume"] is None:
+                    return
+                i, diverged, baseline_differs = changed["resume"], True, True
+                continue
+            baseline_differs = baseline_differs and _plan(w["plan"]) != (DENSE,) * len(run["sizes"])
+            if not baseline_differs:
+                assert p.dense_cost_s == expect["dense_cost_s"], i
+            if "dense_hold" in expect and not baseline_differs:  # a drift check
                 assert p.dense_hold == expect["dense_hold"], i
                 said = expect["message"]  # the recorded line, without the plan it printed after it
-                assert action.message.startswith(said) and bool(action.message) == bool(said), i
+                message = action.message
+                if diverged:  # the figures it quotes may differ in their last digits: the words must not
+                    said, message = re.sub(r"[\d.]+", "#", said), re.sub(r"[\d.]+", "#", message)
+                assert message.startswith(said) and bool(message) == bool(said), i
         assert (action.plan, action.trial) == (_plan(expect["plan"]), expect["trial"]), i
-        assert action.net_scale == expect["net_scale"], i  # the same arithmetic: exactly the same scale
+        # the same arithmetic: exactly the same scale (after a divergence, the same up to rounding)
+        scale = pytest.approx(expect["net_scale"], rel=1e-12) if diverged else expect["net_scale"]
+        assert action.net_scale == scale, i
+        i += 1

@@ -20,6 +20,7 @@ the older checkpoints as they were. Every file opens with torch.load(weights_onl
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import errno as errnos
 import hashlib
 import io
@@ -435,7 +436,7 @@ class CheckpointWriter:
         if pending is not None:
             try:
                 pending.exception(timeout=timeout_s)  # waits for the thread, without raising what it raised
-            except TimeoutError:
+            except concurrent.futures.TimeoutError:  # the builtin TimeoutError only from Python 3.11
                 pass  # a stuck file system: leave rather than hang
 
     def wait(self) -> float | None:

@@ -549,8 +549,8 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace, steps: int) -> 
     print("\nauto against the fixed exchanges (criteria, on the ratio of medians: within 5% of the best fixed one, "
           "never > 5% slower than dense; the best fixed one is the least of four noisy medians, which favours it); "
           "auto's calibration and trials run before the measured rounds and are not in them (`trials` in the "
-          "JSON: each tried plan's step ms); planner = out-of-sample prediction from auto's calibration at the "
-          "other shaped rate:")
+          "JSON: each tried plan's step ms, all dense's from the calibration where its trial was skipped); "
+          "planner = out-of-sample prediction from auto's calibration at the other shaped rate:")
     print_table(["model", "nodes", "links", "best fixed", "best ms", "auto ms", "auto/best", "per round: median (IQR)",
                  "auto/dense", "auto plan", "planner max |err|"],
                 [[c["model"], c["layout"], c["rate"], c["best_fixed"], c["step_ms"][c["best_fixed"]], c["step_ms"]["auto"],

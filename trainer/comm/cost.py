@@ -327,7 +327,7 @@ def candidates(n: int, layout: Layout, densities: Sequence[float], min_density: 
     return out
 
 
-def _shapes_at(shapes: Sequence[Shapes | None] | None, i: int) -> Shapes | None:
+def shapes_at(shapes: Sequence[Shapes | None] | None, i: int) -> Shapes | None:
     """Bucket i's matrices (empty: none); None without `shapes` (a powersgd choice then cannot be priced)."""
     return (shapes[i] or ()) if shapes is not None else None
 
@@ -338,7 +338,7 @@ def predict(sizes: Sequence[int], ready_before_end: Sequence[float], plan: Seque
     (needed by a powersgd choice)."""
     chains, local = [], 0.0
     for i, (n, choice) in enumerate(zip(sizes, plan)):
-        ex = describe(n, choice, net.layout, _shapes_at(shapes, i))
+        ex = describe(n, choice, net.layout, shapes_at(shapes, i))
         chains.append(net.chain_s(ex))
         local += net.local_s(ex)
     return exposed_s(ready_before_end, chains, local if local_competes else 0.0), chains

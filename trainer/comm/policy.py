@@ -14,7 +14,7 @@ from typing import Callable, Literal, Sequence
 
 from trainer.comm.config import CommConfig
 from trainer.comm.cost import (DENSE, MARGIN, Choice, Network, Shapes, choose, describe, plan_summary, predict,
-                               uniform_plans)
+                               shapes_at, uniform_plans)
 from trainer.comm.plan import Plan
 
 HOLD_CHECKS = 5
@@ -37,6 +37,10 @@ SCALE_RANGE = (0.05, 100.0)
 WINDOW = 8
 """Steps timed before each drift check."""
 
+NETWORK_SHARE = 0.25
+"""A sparse plan's chain measures the links' move only if the model puts at least this share of it on the network
+(the rest is the plan's own local work: selection, casts, factor products)."""
+
 MEASURING_DENSE = ("measure_dense", "compare_dense", "recheck_dense")
 """The actions whose all-dense window only measures (the next check decides): the steps it times, + 1, not
 `comm.redecide_every` when that is longer (each a dense step on what may be a slow link)."""
@@ -44,7 +48,8 @@ MEASURING_DENSE = ("measure_dense", "compare_dense", "recheck_dense")
 
 ActionKind = Literal["try", "keep", "switch", "measure_dense", "compare_dense", "recheck_dense", "restore", "hold"]
 """try: a plan on trial; keep: the same plan (after the trials: the one kept); switch: a new plan the model
-predicts faster on moved links; measure_dense: the links moved under a sparse plan, all dense measures them;
+predicts faster on moved links; measure_dense: the links moved under a sparse plan and dense could now be the
+faster plan, all dense measures them;
 compare_dense: the plan measured slower than dense, all dense is measured again to compare; recheck_dense: a plan
 other than all dense ran `comm.dense_recheck_every` checks, one short all-dense window compares them on today's
 links; restore: the plan beat that window and comes back; hold: it did not, dense stays for `HOLD_CHECKS`
@@ -117,8 +122,8 @@ class Policy:
         window's)."""
         self.plan: Plan = (DENSE,) * len(self.sizes)
         self.dense_cost_s = 0.0
-        """The last measured all-dense step cost (scaled by a link move not measured again): a plan slower than
-        it by more than `hysteresis` is compared."""
+        """The last measured all-dense step cost (after a link move not measured again, a lower bound of today's):
+        a plan slower than it by more than `hysteresis` is compared."""
         self.dense_hold = 0
         """Drift checks left before a plan reverted to dense may leave it again."""
         self.trials: list[Plan] = []
@@ -268,8 +273,11 @@ class Policy:
             self._remeasure = False
             ratio = chain[top] / predicted[top] if predicted[top] > 0 else 1.0
             moved = True
+        # under a sparse plan the links moved as its chain's network part did (None: too small a part to tell)
+        link_move = None if dense_now or not moved else self._link_move(chain, reference, top)
         if moved:
-            self.net = dataclasses.replace(self.net, net_scale=_clamp(self.net.net_scale * ratio))
+            scale = ratio if link_move is None else link_move
+            self.net = dataclasses.replace(self.net, net_scale=_clamp(self.net.net_scale * scale))
         # the comparison's baseline is a measured all-dense step under today's links: it follows the measurements
         # while the plan is all dense; a link change under a sparse plan measures it again, or scales it (below)
         if dense_now:
@@ -301,15 +309,20 @@ class Policy:
             self.dense_hold = HOLD_CHECKS
             return self._action("hold", f"{said}; staying dense: {_pairs(self.plan)}")
         if not dense_now and moved:
-            # all dense measures the moved links only where it could be the faster plan on them: its last measured
-            # step scaled by the move, against this plan's (on a slow link a dense window costs what it measures);
-            # else the baseline follows the move as the model's scale does, and the model decides
-            if self.dense_cost_s * ratio < (1 + h) * cost:
+            # all dense measures the moved links only where it could be the faster plan on them (on a slow link a
+            # dense window costs what it measures). A lower bound of dense's step now: on slower links its last
+            # one; on faster links that scaled by the links' move (its compute does not shrink), 0 where this
+            # plan's chain cannot tell the move
+            if ratio > 1:
+                bound = self.dense_cost_s
+            else:
+                bound = 0.0 if link_move is None else self.dense_cost_s * link_move
+            if bound < (1 + h) * cost:
                 self._remeasure, self._reference = True, None
                 self._use(self.dense)
                 return self._action("measure_dense", f"comm auto: link times moved x{ratio:.2f}; one window all "
                                                      f"dense to measure it: {_pairs(self.plan)}")
-            self.dense_cost_s *= ratio
+            self.dense_cost_s = bound  # the comparison below errs towards measuring dense again
         # a sparse plan's chains are mostly its own selection: a link that got faster barely shows in them, so
         # every `dense_recheck_every` checks a short all-dense window measures today's links and is compared
         every = self.cfg.dense_recheck_every
@@ -342,6 +355,16 @@ class Policy:
     @property
     def dense(self) -> Plan:
         return (DENSE,) * len(self.sizes)
+
+    def _link_move(self, chain: Sequence[float], reference: Sequence[float], top: int) -> float | None:
+        """The links' move between two windows of the current plan, from bucket `top`'s chain less the local work
+        the model puts in it; None when the network's part of the reference is under `NETWORK_SHARE`."""
+        local = self.net.local_s(describe(self.sizes[top], self.plan[top], self.net.layout,
+                                          shapes_at(self.shapes, top)))
+        was, now = reference[top] - local, chain[top] - local
+        if was < NETWORK_SHARE * reference[top]:
+            return None
+        return max(now, 0.0) / was
 
     def _predicted(self, plan: Sequence[Choice]) -> float:
         return predict(self.sizes, self.ready, plan, self.net, self.local_competes, self.shapes)[0]
