@@ -122,8 +122,8 @@ class Policy:
         window's)."""
         self.plan: Plan = (DENSE,) * len(self.sizes)
         self.dense_cost_s = 0.0
-        """The last measured all-dense step cost (after a link move not measured again, a lower bound of today's):
-        a plan slower than it by more than `hysteresis` is compared."""
+        """The last measured all-dense step cost (after a link move not measured again, an estimate of today's:
+        `_check`): a plan slower than it by more than `hysteresis` is compared."""
         self.dense_hold = 0
         """Drift checks left before a plan reverted to dense may leave it again."""
         self.trials: list[Plan] = []
@@ -273,10 +273,11 @@ class Policy:
             self._remeasure = False
             ratio = chain[top] / predicted[top] if predicted[top] > 0 else 1.0
             moved = True
-        # under a sparse plan the links moved as its chain's network part did (None: too small a part to tell)
+        # under a sparse plan the links moved as its chain's network part did (None: too small a part to tell, and
+        # the whole chain's move, which understates the links', stands in)
         link_move = None if dense_now or not moved else self._link_move(chain, reference, top)
+        scale = ratio if link_move is None else link_move
         if moved:
-            scale = ratio if link_move is None else link_move
             self.net = dataclasses.replace(self.net, net_scale=_clamp(self.net.net_scale * scale))
         # the comparison's baseline is a measured all-dense step under today's links: it follows the measurements
         # while the plan is all dense; a link change under a sparse plan measures it again, or scales it (below)
@@ -310,9 +311,10 @@ class Policy:
             return self._action("hold", f"{said}; staying dense: {_pairs(self.plan)}")
         if not dense_now and moved:
             # all dense measures the moved links only where it could be the faster plan on them (on a slow link a
-            # dense window costs what it measures). A lower bound of dense's step now: on slower links its last
-            # one; on faster links that scaled by the links' move (its compute does not shrink), 0 where this
-            # plan's chain cannot tell the move
+            # dense window costs what it measures). On slower links its last step is a lower bound of its step
+            # now. On faster links that step scaled by the links' move is an estimate (its compute does not
+            # shrink, but its collectives may move more than a plan's network part that is mostly latency; the
+            # periodic recheck below catches that), 0 where this plan's chain cannot tell the move
             if ratio > 1:
                 bound = self.dense_cost_s
             else:
@@ -320,9 +322,9 @@ class Policy:
             if bound < (1 + h) * cost:
                 self._remeasure, self._reference = True, None
                 self._use(self.dense)
-                return self._action("measure_dense", f"comm auto: link times moved x{ratio:.2f}; one window all "
+                return self._action("measure_dense", f"comm auto: link times moved x{scale:.2f}; one window all "
                                                      f"dense to measure it: {_pairs(self.plan)}")
-            self.dense_cost_s = bound  # the comparison below errs towards measuring dense again
+            self.dense_cost_s = bound
         # a sparse plan's chains are mostly its own selection: a link that got faster barely shows in them, so
         # every `dense_recheck_every` checks a short all-dense window measures today's links and is compared
         every = self.cfg.dense_recheck_every
@@ -347,7 +349,7 @@ class Policy:
         if t < (1 - h) * current:
             self._reference = None  # the new plan's first window is its reference
             self._use(tuple(plan))
-            return self._action("switch", f"comm auto: link times moved x{ratio:.2f}; new plan: {_pairs(self.plan)}")
+            return self._action("switch", f"comm auto: link times moved x{scale:.2f}; new plan: {_pairs(self.plan)}")
         return self._action("keep")
 
     # ------------------------------------------------------------ helpers
