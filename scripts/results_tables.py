@@ -453,11 +453,34 @@ def cluster_which_target(r: dict[str, Any]) -> str:
 
 def cluster_which_kind(r: dict[str, Any]) -> list[str]:
     """Which kind when: per link rate (and the one model), the kind with the least median time to the target."""
+    vs_best = r.get("auto_vs_best", {})
     rows = [[rate, r["model"], "none reached it" if w["kind"] is None else f"**{w['kind']}**",
-             "-" if w["median_s"] is None else num(w["median_s"])] for rate, w in r["which_kind"].items()]
+             "-" if w["median_s"] is None else num(w["median_s"]), cluster_auto_vs_best(vs_best.get(rate))]
+            for rate, w in r["which_kind"].items()]
     return [f"Which kind when: the least median seconds to {100 * float(cluster_which_target(r)):g}% top-1, start-up "
-            "included (a kind's misses count against it, never for another kind):", "",
-            *table(["links", "model", "kind", "median s"], rows)]
+            "included (a kind's misses count against it, never for another kind); auto's median over the fastest "
+            "per-step kind's (dense, dense16, topk, hitopk, powersgd), and seed by seed:", "",
+            *table(["links", "model", "kind", "median s", "auto / fastest per-step kind"], rows)]
+
+
+def cluster_headline(r: dict[str, Any]) -> str:
+    """The README row: the headline ratio, which kind per rate, auto against the fastest per-step kind."""
+    text = ("-" if r["ratio"] is None else f"{r['ratio']:.3f}") + "; which kind: " + ", ".join(
+        f"{rate} {w['kind'] or 'none'}" for rate, w in r["which_kind"].items())
+    if r.get("auto_vs_best"):
+        text += "; auto / fastest per-step kind: " + ", ".join(
+            f"{rate} {'missed' if a['ratio'] is None else format(a['ratio'], '.3f')}"
+            for rate, a in r["auto_vs_best"].items())
+    return text + ("" if r["complete"] else f" (partial: {cluster_seeds_run(r)}; {r['runs_done']} of "
+                                            f"{r['runs_planned']} runs)")
+
+
+def cluster_auto_vs_best(a: dict[str, Any] | None) -> str:
+    """Auto's median over the fastest per-step kind's, that kind, and the ratio per seed."""
+    if a is None:
+        return "-"
+    return (("missed" if a["ratio"] is None else f"{a['ratio']:.3f}") + f" ({a['best']}; "
+            + (", ".join(f"seed {s}: {x:.3f}" for s, x in a["per_seed"].items()) or "no seed both reached") + ")")
 
 
 def links(r: dict[str, Any]) -> list[str]:
@@ -536,10 +559,7 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
                                 if "transformer, measuring" in r["runs"] else "")),
     "cluster_tta": ("emulated cluster, time to 70% top-1 from the launch: the best per-step kind's median / dense's, "
                     "slowest link run",
-                    lambda r: ("-" if r["ratio"] is None else f"{r['ratio']:.3f}") + "; which kind: "
-                              + ", ".join(f"{rate} {w['kind'] or 'none'}" for rate, w in r["which_kind"].items())
-                              + ("" if r["complete"] else f" (partial: {cluster_seeds_run(r)}; {r['runs_done']} of "
-                                                          f"{r['runs_planned']} runs)")),
+                    cluster_headline),
     "links": ("emulated cluster: the node-crossing links auto fits at start-up / plain TCP between the nodes",
               lambda r: (lambda auto: f"{sum(abs(x - 1) <= r['tolerance'] for x in auto.values())} of {len(auto)} "
                          f"within {100 * r['tolerance']:g}%; " + ", ".join(f"{k} {x:.2f}" for k, x in auto.items()))(

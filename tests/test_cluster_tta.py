@@ -98,6 +98,20 @@ def test_a_kind_that_misses_is_a_miss_never_the_winner():
     assert cluster_tta.headline_ratio(cells, ["200mbit"]) == 0.8
 
 
+def test_auto_is_judged_against_the_fastest_per_step_kind_seed_by_seed():
+    """Catches judging auto against a multi-step kind (local is faster here but is not a per-step kind), against
+    dense instead of the fastest, pairing another seed's time, or a missed median read as a time."""
+    runs = [record("1gbit", k, s, t) for k, times in (("dense", (300.0, 320.0, 310.0)), ("topk", (200.0, 260.0, 220.0)),
+                                                     ("local", (150.0, 150.0, 150.0)), ("auto", (210.0, 250.0, None)))
+            for s, t in zip((100, 101, 102), times)]
+    out = cluster_tta.auto_vs_best(runs, cluster_tta.summarize(runs, [0.7]))
+    # auto's median (250 s, its miss counted as infinitely slow) over top-k's (220 s); per seed where both reached
+    assert out == {"1gbit": {"target": "0.7", "best": "topk", "ratio": round(250 / 220, 3),
+                             "per_seed": {"100": 1.05, "101": round(250 / 260, 3)}}}
+    runs[-2] = record("1gbit", "auto", 101, None)  # two misses in three: auto's median is a miss
+    assert cluster_tta.auto_vs_best(runs, cluster_tta.summarize(runs, [0.7]))["1gbit"]["ratio"] is None
+
+
 def test_per_cell_accuracy_bytes_and_autos_seconds_are_medians():
     """Catches mixing rates in one cell or summing the nodes' interface bytes instead of averaging per node."""
     runs = [record("1gbit", "auto", 100, 200.0, 0.70), record("1gbit", "auto", 101, 210.0, 0.74),
@@ -175,6 +189,7 @@ def result() -> dict:
     return {"model": "resnet18", "layout": "2x2", "seeds": [100, 101], "runs_done": 6, "runs_planned": 8,
             "complete": False, "target_consecutive": 2, "targets": ["0.7"], "cells": cells,
             "which_kind": cluster_tta.which_kind(cells), "ratio": cluster_tta.headline_ratio(cells, ["200mbit"]),
+            "auto_vs_best": cluster_tta.auto_vs_best(runs, cells),
             "runs": runs}
 
 
@@ -185,7 +200,10 @@ def test_the_tables_show_misses_and_the_kind_per_rate():
     assert "| 200mbit | resnet18 | **dense** | 510 |" in text and "| 1gbit | resnet18 | **auto** | 180 |" in text
     assert "calibrated_after_s 40" in text and "6 of 8 runs" in text
     what, figure = results_tables.SUMMARY["cluster_tta"]
-    assert figure(result()) == "1.000; which kind: 200mbit dense, 1gbit auto (partial: seeds 100, 101; 6 of 8 runs)"
+    assert figure(result()) == ("1.000; which kind: 200mbit dense, 1gbit auto; auto / fastest per-step kind: 1gbit "
+                                "0.900 (partial: seeds 100, 101; 6 of 8 runs)")
+    assert "| 1gbit | resnet18 | **auto** | 180 | 0.900 (dense; seed 100: 0.900) |" in text
+    assert "| 200mbit | resnet18 | **dense** | 510 | - |" in text  # auto did not run there
     # a partial result of one seed says so: its ranges are one run's
     one = {**result(), "seeds": [100, 101, 102]}
     one["runs"] = [r for r in one["runs"] if r["seed"] == 100]

@@ -28,7 +28,8 @@ Per run, and per (rate, kind) as medians over seeds with their range:
 - auto's calibration and trial seconds where its metrics log them (`comm/...calibration_s`, `comm/...trial_s`),
   and the seconds from the launch to its first calibration record.
 
-"Which kind when": per link rate, the kind with the least median time to WHICH_TARGET. Results go to
+"Which kind when": per link rate, the kind with the least median time to WHICH_TARGET, and auto's median time to it
+over the best per-step kind's (seed by seed beside it). Results go to
 docs/results/cluster_tta.json (cluster_tta.quick.json with --quick) when every planned run has finished, or to
 --results-dir when it is given; scripts/results_tables.py renders them into docs/benchmarks.md.
 
@@ -321,6 +322,26 @@ def which_kind(cells: Mapping[str, Mapping[str, Any]], target: float = WHICH_TAR
     return out
 
 
+def auto_vs_best(records: Sequence[Mapping[str, Any]], cells: Mapping[str, Mapping[str, Any]],
+                 target: float = WHICH_TARGET) -> dict[str, dict[str, Any]]:
+    """Per rate where auto ran and a per-step kind (PER_STEP_KINDS) reached `target`: auto's median time to it over
+    the fastest per-step kind's (None where auto's median is a miss), and that ratio seed by seed over the seeds
+    both reached."""
+    t, out = f"{target:g}", {}
+    per_step = which_kind({rate: {k: c for k, c in kinds.items() if k in PER_STEP_KINDS}
+                           for rate, kinds in cells.items()}, target)
+    for rate, best in per_step.items():
+        if best["kind"] is None or "auto" not in cells[rate]:
+            continue
+        auto = cells[rate]["auto"]["targets"].get(t, {}).get("median_s")
+        time_to = {(r["seed"], r["kind"]): r["time_to_s"].get(t) for r in records if r["rate"] == rate}
+        per_seed = {str(seed): round(s / time_to[seed, best["kind"]], 3) for (seed, kind), s in sorted(time_to.items())
+                    if kind == "auto" and s is not None and time_to.get((seed, best["kind"])) is not None}
+        out[rate] = {"target": t, "best": best["kind"],
+                     "ratio": None if auto is None else round(auto / best["median_s"], 3), "per_seed": per_seed}
+    return out
+
+
 def headline_ratio(cells: Mapping[str, Mapping[str, Any]], rates: Sequence[str]) -> float | None:
     """At the slowest rate run: the best per-step kind's median time to WHICH_TARGET over dense's."""
     rate = next((r for r in reversed(RATES) if r in cells and r in rates), None)
@@ -407,7 +428,8 @@ def report(records: Sequence[Mapping[str, Any]], planned: Sequence[tuple[int, st
             "kinds": list(dict.fromkeys(k for _, _, k in planned)), "targets": [f"{t:g}" for t in targets],
             "target_consecutive": consecutive, "seeds": sorted({s for s, _, _ in planned}),
             "runs_planned": len(keys), "runs_done": len(mine), "complete": len(mine) == len(keys),
-            "cells": cells, "which_kind": which_kind(cells), "runs": list(mine),
+            "cells": cells, "which_kind": which_kind(cells), "auto_vs_best": auto_vs_best(mine, cells),
+            "runs": list(mine),
             "ratio": headline_ratio(cells, rates)}
     folder = results_dir if results_dir is not None else (str(common.RESULTS_DIR) if line["complete"] else "")
     path = common.write_result(line, folder)
