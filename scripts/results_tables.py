@@ -469,17 +469,20 @@ def cluster_headline(r: dict[str, Any]) -> str:
         f"{rate} {w['kind'] or 'none'}" for rate, w in r["which_kind"].items())
     if r.get("auto_vs_best"):
         text += "; auto / fastest per-step kind: " + ", ".join(
-            f"{rate} {'missed' if a['ratio'] is None else format(a['ratio'], '.3f')}"
-            for rate, a in r["auto_vs_best"].items())
+            f"{rate} {cluster_ratio(a['ratio'])}" for rate, a in r["auto_vs_best"].items())
     return text + ("" if r["complete"] else f" (partial: {cluster_seeds_run(r)}; {r['runs_done']} of "
                                             f"{r['runs_planned']} runs)")
+
+
+def cluster_ratio(x: float | None) -> str:
+    return "missed" if x is None else f"{x:.3f}"
 
 
 def cluster_auto_vs_best(a: dict[str, Any] | None) -> str:
     """Auto's median over the fastest per-step kind's, that kind, and the ratio per seed."""
     if a is None:
         return "-"
-    return (("missed" if a["ratio"] is None else f"{a['ratio']:.3f}") + f" ({a['best']}; "
+    return (cluster_ratio(a["ratio"]) + f" ({a['best']}; "
             + (", ".join(f"seed {s}: {x:.3f}" for s, x in a["per_seed"].items()) or "no seed both reached") + ")")
 
 

@@ -322,15 +322,20 @@ def which_kind(cells: Mapping[str, Mapping[str, Any]], target: float = WHICH_TAR
     return out
 
 
+def fastest_per_step(cells: Mapping[str, Mapping[str, Any]], target: float = WHICH_TARGET
+                     ) -> dict[str, dict[str, Any]]:
+    """which_kind among PER_STEP_KINDS only."""
+    return which_kind({rate: {k: c for k, c in kinds.items() if k in PER_STEP_KINDS} for rate, kinds in cells.items()},
+                      target)
+
+
 def auto_vs_best(records: Sequence[Mapping[str, Any]], cells: Mapping[str, Mapping[str, Any]],
                  target: float = WHICH_TARGET) -> dict[str, dict[str, Any]]:
     """Per rate where auto ran and a per-step kind (PER_STEP_KINDS) reached `target`: auto's median time to it over
     the fastest per-step kind's (None where auto's median is a miss), and that ratio seed by seed over the seeds
     both reached."""
     t, out = f"{target:g}", {}
-    per_step = which_kind({rate: {k: c for k, c in kinds.items() if k in PER_STEP_KINDS}
-                           for rate, kinds in cells.items()}, target)
-    for rate, best in per_step.items():
+    for rate, best in fastest_per_step(cells, target).items():
         if best["kind"] is None or "auto" not in cells[rate]:
             continue
         auto = cells[rate]["auto"]["targets"].get(t, {}).get("median_s")
@@ -347,11 +352,9 @@ def headline_ratio(cells: Mapping[str, Mapping[str, Any]], rates: Sequence[str])
     rate = next((r for r in reversed(RATES) if r in cells and r in rates), None)
     if rate is None or "dense" not in cells[rate]:
         return None
-    t = f"{WHICH_TARGET:g}"
-    times = [cells[rate][k]["targets"][t]["median_s"] for k in PER_STEP_KINDS if k in cells[rate]]
-    times = [x for x in times if x is not None]
-    dense = cells[rate]["dense"]["targets"][t]["median_s"]
-    return None if not times or dense is None else round(min(times) / dense, 3)
+    best = fastest_per_step({rate: cells[rate]})[rate]["median_s"]
+    dense = cells[rate]["dense"]["targets"][f"{WHICH_TARGET:g}"]["median_s"]
+    return None if best is None or dense is None else round(best / dense, 3)
 
 
 # ---------------------------------------------------------------- running
