@@ -299,10 +299,17 @@ class Policy:
                 other, t = choose(self.sizes, self.ready, net, self.options, self.local_competes, shapes=self.shapes)
                 was = predict(self.sizes, self.ready, plan, net, self.local_competes, self.shapes)[0]
                 if tuple(other) not in (plan, self.dense) and t < (1 - h) * was:
-                    self.net, self._reference = net, None
-                    self._use(tuple(other))
-                    return self._action("switch", f"{said}; link times moved x{ratio:.2f}; new plan: "
-                                                  f"{_pairs(self.plan)}")
+                    # an unmeasured plan is taken on the model's word only where the refitted model ranks the two
+                    # plans just measured as they measured: one scale cannot fit a dense chain whose time is
+                    # mostly the wait for a loaded peer, and a model that still puts top-k ahead of a dense
+                    # window that beat it would pick top-k again
+                    if self._contradicts(net, was, plan_cost, cost):
+                        said += "; the refitted model ranks them the other way: no unmeasured plan"
+                    else:
+                        self.net, self._reference = net, None
+                        self._use(tuple(other))
+                        return self._action("switch", f"{said}; link times moved x{ratio:.2f}; new plan: "
+                                                      f"{_pairs(self.plan)}")
             if plan_cost < (1 - MARGIN) * cost:
                 self._reference = None
                 self._use(plan)
@@ -367,6 +374,16 @@ class Policy:
         if was < NETWORK_SHARE * reference[top]:
             return None
         return max(now, 0.0) / was
+
+    def _contradicts(self, net: Network, was: float, plan_cost: float, dense_cost: float) -> bool:
+        """`net`, which predicts `was` for a plan, predicts the faster of that plan and all dense as measured (one
+        beyond the other by `MARGIN`) the slower by `MARGIN`."""
+        dense = predict(self.sizes, self.ready, self.dense, net, self.local_competes, self.shapes)[0]
+        if dense_cost < (1 - MARGIN) * plan_cost:
+            return was < (1 - MARGIN) * dense
+        if plan_cost < (1 - MARGIN) * dense_cost:
+            return dense < (1 - MARGIN) * was
+        return False
 
     def _predicted(self, plan: Sequence[Choice]) -> float:
         return predict(self.sizes, self.ready, plan, self.net, self.local_competes, self.shapes)[0]
