@@ -304,7 +304,9 @@ class Policy:
                     # mostly the wait for a loaded peer, and a model that still puts top-k ahead of a dense
                     # window that beat it would pick top-k again
                     if self._contradicts(net, was, plan_cost, cost):
-                        said += "; the refitted model ranks them the other way: no unmeasured plan"
+                        kept = "kept" if recheck else "not applied"
+                        said += (f"; link times moved x{ratio:.2f} ({kept}), but the model on them ranks the two the "
+                                 f"other way: not switching to its {_pairs(other)}")
                     else:
                         self.net, self._reference = net, None
                         self._use(tuple(other))
