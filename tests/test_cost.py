@@ -10,7 +10,8 @@ import pytest
 
 from trainer.comm.cost import (DENSE, PROBES, Choice, Collective, Layout, Link, Network, Selection, allgather_s,
                                build_network, candidates, choose, describe, exchange_bytes, exposed_s, fit_link,
-                               hierarchical_allreduce_s, k_of, reduce_scatter_s, ring_allreduce_s, sent_bytes)
+                               hierarchical_allreduce_s, k_of, reduce_scatter_s, ring_allreduce_s, sent_bytes,
+                               with_inter_rate)
 
 pytestmark = pytest.mark.unit
 
@@ -172,3 +173,22 @@ def test_many_small_buckets_move_together_when_no_single_move_clears_the_margin(
     same = Network(lay, {"world": link, "world16": Link(1e-5, 0.5e9), "intra": Link(1e-6, 1e10)})
     plan, _ = choose(sizes, [0.0] * 50, same, opts, local_competes=False)
     assert plan == [DENSE] * 50
+
+
+def test_a_slower_network_scales_the_wire_and_keeps_the_hosts_floor():
+    """The 2x2 emulated cluster's links as calibrated at 1 Gbit/s (world 123 MB/s, the ranks of one node 243 MB/s):
+    at a fifth of the rate the world ring carries a fifth of the bytes per second (its calibration at 200 Mbit/s
+    fitted 23 MB/s), not the 41 MB/s of a host share added to the wire's; five times faster, the hosts' 243 MB/s
+    bounds it; a 16-bit wire keeps its extra host time per byte on top. Catches host work added in series with the
+    wire, a floor applied to a slower link, and an extra 16-bit cost that scales."""
+    mb = 1e6
+    links = {"world": Link(8e-4, 123 * mb), "world16": Link(8e-4, 100 * mb), "intra": Link(2e-3, 243 * mb)}
+    net = Network(Layout(2, 2), links)
+    slow, fast = with_inter_rate(net, 0.2), with_inter_rate(net, 5.0)
+    assert slow.links["world"].bytes_per_s == pytest.approx(123 * mb / 5)
+    assert fast.links["world"].bytes_per_s == pytest.approx(243 * mb)
+    assert slow.links["intra"] == fast.links["intra"] == links["intra"]  # a node's own link is not the network's
+    assert slow.links["world"].alpha_s == links["world"].alpha_s
+    extra = 1 / (100 * mb) - 1 / (123 * mb)
+    assert 1 / slow.links["world16"].bytes_per_s == pytest.approx(5 / (123 * mb) + extra)
+    assert 1 / fast.links["world16"].bytes_per_s == pytest.approx(1 / (243 * mb) + extra)

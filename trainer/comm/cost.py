@@ -277,24 +277,24 @@ def with_inter_rate(net: Network, factor: float, layout: Layout | None = None) -
     """`net` with the node-crossing links `factor` times as fast (a faster or slower network), optionally
     on another layout (the same links, other group sizes).
 
-    Only the network's share of a link's time per byte scales: the share a link between the ranks of one node
-    also pays (the "intra" link: copies, sums, the TCP stack on the hosts) stays, and a 16-bit wire's extra
-    time per byte over fp32's (its conversions and sums on the host) stays too."""
-    local = 1.0 / net.links["intra"].bytes_per_s if "intra" in net.links else 0.0
+    A link's time per byte is the slower of the wire and the hosts' own work per byte (the "intra" link's:
+    copies, sums, the TCP stack), which stream through it together rather than one after the other: the wire
+    scales, and the result is never faster than the hosts. A 16-bit wire's extra time per byte over fp32's (its
+    conversions on the host, before and after the collective) adds to that and does not scale."""
+    host = 1.0 / net.links["intra"].bytes_per_s if "intra" in net.links else 0.0
 
-    def scaled(link: Link, stays: float) -> Link:
-        stays = min(stays, 1.0 / link.bytes_per_s)
-        return Link(link.alpha_s, 1.0 / ((1.0 / link.bytes_per_s - stays) / factor + stays))
+    def scaled(link: Link, extra: float = 0.0) -> Link:
+        wire = 1.0 / link.bytes_per_s - extra
+        return Link(link.alpha_s, 1.0 / (max(wire / factor, min(host, wire)) + extra))
 
     links = {}
     for name, link in net.links.items():
         if name not in CROSSING:
             links[name] = link
         elif name == "world16" and "world" in net.links:
-            extra = max(1.0 / link.bytes_per_s - 1.0 / net.links["world"].bytes_per_s, 0.0)
-            links[name] = scaled(link, min(local, 1.0 / net.links["world"].bytes_per_s) + extra)
+            links[name] = scaled(link, max(1.0 / link.bytes_per_s - 1.0 / net.links["world"].bytes_per_s, 0.0))
         else:
-            links[name] = scaled(link, local)
+            links[name] = scaled(link)
     return Network(layout or net.layout, links, net.selection, net.cast_per_element_s, net.dense_algorithm,
                    net.net_scale, net.seconds_per_flop)
 
