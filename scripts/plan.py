@@ -210,7 +210,8 @@ def print_from_run(args: argparse.Namespace) -> dict[str, Any]:
           f"{len(sizes)} buckets, {sum(sizes):,} gradients; links "
           + ", ".join(f"{k} {v.bytes_per_s * 8 / 1e9:.3g} Gbit/s" for k, v in base.links.items())
           + f"; selection {base.selection.per_element_s * 1e9:.1f} ns/element; min density {cal['min_density']:g}")
-    print("Other layouts keep the measured links (the node-crossing ones scaled by the factor) and ready times.")
+    print("Other layouts keep the measured links (the node-crossing ones scaled by the factor, no faster than the "
+          "hosts) and ready times.")
     rows, out = [], []
     for r in replan(cal, base, sizes, ready, densities, layouts, factors):
         lay = f"{r.layout.nodes}x{r.layout.per_node}"

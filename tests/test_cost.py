@@ -175,20 +175,24 @@ def test_many_small_buckets_move_together_when_no_single_move_clears_the_margin(
     assert plan == [DENSE] * 50
 
 
-def test_a_slower_network_scales_the_wire_and_keeps_the_hosts_floor():
+def test_a_link_scales_with_the_network_down_to_the_hosts_floor():
     """The 2x2 emulated cluster's links as calibrated at 1 Gbit/s (world 123 MB/s, the ranks of one node 243 MB/s):
     at a fifth of the rate the world ring carries a fifth of the bytes per second (its calibration at 200 Mbit/s
     fitted 23 MB/s), not the 41 MB/s of a host share added to the wire's; five times faster, the hosts' 243 MB/s
-    bounds it; a 16-bit wire keeps its extra host time per byte on top. Catches host work added in series with the
-    wire, a floor applied to a slower link, and an extra 16-bit cost that scales."""
+    bounds it. A link calibrated faster than the hosts (an unshaped run) does not speed up, and slows down as a
+    wire; with no node-local link (one rank per node) nothing bounds it. Catches host work added in series with
+    the wire, a floor above a link that already beat it, and a floor made up where nothing measured one."""
     mb = 1e6
-    links = {"world": Link(8e-4, 123 * mb), "world16": Link(8e-4, 100 * mb), "intra": Link(2e-3, 243 * mb)}
+    links = {"world": Link(8e-4, 123 * mb), "world16": Link(8e-4, 100 * mb), "world_gather": Link(6e-4, 1274 * mb),
+             "intra": Link(2e-3, 243 * mb)}
     net = Network(Layout(2, 2), links)
     slow, fast = with_inter_rate(net, 0.2), with_inter_rate(net, 5.0)
     assert slow.links["world"].bytes_per_s == pytest.approx(123 * mb / 5)
     assert fast.links["world"].bytes_per_s == pytest.approx(243 * mb)
+    assert slow.links["world16"].bytes_per_s == pytest.approx(100 * mb / 5)  # a 16-bit wire is a wire
+    assert fast.links["world_gather"].bytes_per_s == pytest.approx(1274 * mb)
+    assert slow.links["world_gather"].bytes_per_s == pytest.approx(1274 * mb / 5)
     assert slow.links["intra"] == fast.links["intra"] == links["intra"]  # a node's own link is not the network's
     assert slow.links["world"].alpha_s == links["world"].alpha_s
-    extra = 1 / (100 * mb) - 1 / (123 * mb)
-    assert 1 / slow.links["world16"].bytes_per_s == pytest.approx(5 / (123 * mb) + extra)
-    assert 1 / fast.links["world16"].bytes_per_s == pytest.approx(1 / (243 * mb) + extra)
+    one_per_node = Network(Layout(4, 1), {"world": Link(8e-4, 123 * mb)})
+    assert with_inter_rate(one_per_node, 5.0).links["world"].bytes_per_s == pytest.approx(5 * 123 * mb)

@@ -578,8 +578,8 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace, steps: int) -> 
 def predict_cell(source: dict[str, Any], model: str, target: dict[str, Any], density: float) -> dict[str, float]:
     """Step seconds of every exchange in the `target` run, predicted out of sample from the `source` run of the
     same layout: its auto calibration (links, contention, selection cost, ready times) and compute-only step,
-    with the node-crossing links scaled by the ratio of the two nominal rates. Nothing measured in the
-    target run is used. "auto" is the model's plan there: which plan auto's trials keep is measured, not
+    with the node-crossing links scaled by the ratio of the two nominal rates (`cost.with_inter_rate`). Nothing
+    measured in the target run is used. "auto" is the model's plan there: which plan auto's trials keep is measured, not
     predicted."""
     from trainer.comm.auto import network_from_calibration
     from trainer.comm.cost import Layout, candidates, choose, predict, with_inter_rate

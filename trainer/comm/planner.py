@@ -390,7 +390,8 @@ def replan(cal: dict[str, float], base: Network, sizes: Sequence[int], ready: Se
            densities: Sequence[float], layouts: Sequence[Layout], factors: Sequence[float]) -> list[Replan]:
     """What auto would choose, and the exposed exchange it predicts, on each layout at each rate factor, from
     a run's calibration (`base`: its fitted network, `sizes` and `ready`: its buckets and ready times); other
-    layouts keep the measured links (the node-crossing ones scaled by the factor) and ready times."""
+    layouts keep the measured links (the node-crossing ones scaled by the factor, `cost.with_inter_rate`) and
+    ready times."""
     out = []
     local = bool(cal["local_competes"])
     for layout in layouts:
