@@ -207,7 +207,7 @@ class Policy:
         self.dense_cost_s = dense[0]
         where = "" if self.trials[-1] == self.dense else " (calibration)"
         plan, (cost, chain) = min(others, key=lambda pair: pair[1][0])
-        if cost >= (1 - MARGIN) * self.dense_cost_s:
+        if not _ahead(cost, self.dense_cost_s):
             plan, chain = self.dense, dense[1]
         self._use(plan)
         # the kept plan's measured window (all dense: its trial, else the calibration), so a link change in the
@@ -312,7 +312,7 @@ class Policy:
                         self._use(tuple(other))
                         return self._action("switch", f"{said}; link times moved x{ratio:.2f}; new plan: "
                                                       f"{_pairs(self.plan)}")
-            if plan_cost < (1 - MARGIN) * cost:
+            if _ahead(plan_cost, cost):
                 self._reference = None
                 self._use(plan)
                 return self._action("restore", f"{said}; back to it: {_pairs(self.plan)}")
@@ -378,14 +378,11 @@ class Policy:
         return max(now, 0.0) / was
 
     def _contradicts(self, net: Network, was: float, plan_cost: float, dense_cost: float) -> bool:
-        """`net`, which predicts `was` for a plan, predicts the faster of that plan and all dense as measured (one
-        beyond the other by `MARGIN`) the slower by `MARGIN`."""
+        """`net`, which predicts `was` for a plan, puts the slower of that plan and all dense as measured ahead of
+        the faster (each beyond the other by `MARGIN`)."""
         dense = predict(self.sizes, self.ready, self.dense, net, self.local_competes, self.shapes)[0]
-        if dense_cost < (1 - MARGIN) * plan_cost:
-            return was < (1 - MARGIN) * dense
-        if plan_cost < (1 - MARGIN) * dense_cost:
-            return dense < (1 - MARGIN) * was
-        return False
+        return (_ahead(dense_cost, plan_cost) and _ahead(was, dense)) or (_ahead(plan_cost, dense_cost) and
+                                                                          _ahead(dense, was))
 
     def _predicted(self, plan: Sequence[Choice]) -> float:
         return predict(self.sizes, self.ready, plan, self.net, self.local_competes, self.shapes)[0]
@@ -407,6 +404,11 @@ class Policy:
         else:
             steps, timed = self.cfg.redecide_every, min(self.cfg.redecide_every, WINDOW)
         return Action(kind, self.plan, steps, timed, self.net.net_scale, tuple(self.ready), message)
+
+
+def _ahead(a: float, b: float) -> bool:
+    """`a` is faster than `b` by more than `MARGIN`."""
+    return a < (1 - MARGIN) * b
 
 
 def _clamp(scale: float) -> float:
