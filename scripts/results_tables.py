@@ -350,7 +350,7 @@ def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive
     rows = []
     for run in runs:
         at = [reached_at(run["top1"], target, consecutive) for target in targets]
-        rows.append([run.get("cpu", "?"), run["date"][:16].replace("T", " "), f"`{run['commit'][:7]}`", run["side"],
+        rows.append([tuning_machine(run), run["date"][:16].replace("T", " "), f"`{run['commit'][:7]}`", run["side"],
                      "<br>".join(override_text(o) for o in run["overrides"]) or "none", run["seed"],
                      f"{100 * run['top1'][-1]:.1f}% after {run['epochs_run']}",
                      *["missed" if i is None else f"{run['elapsed_s'][i]:.1f} (epoch {i + 1})" for i in at],
@@ -358,7 +358,7 @@ def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive
     tuning = [r for r in runs if ablation_kind(r) is None]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in tuning:
-        groups.setdefault((r.get("cpu", "?"), r["side"]), []).append(r)
+        groups.setdefault((tuning_machine(r), r["side"]), []).append(r)
     counts = "; ".join(f"{cpu}, {side}: {len(mine)} runs, {sum(r['load_before'] < QUIET_LOAD for r in mine)} of them "
                        "alone" for (cpu, side), mine in sorted(groups.items()))
     if len(tuning) < len(runs):
@@ -369,6 +369,13 @@ def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive
             f"--tune SIDE --set KEY=VALUE`: {counts} (started at a 1-minute load below {QUIET_LOAD:g}; a run itself "
             "loads the 2-core box to about 2). The times of runs started under other jobs' load are not comparable; "
             "their curves are. Without overrides a run is the side's config at that commit."]
+
+
+def tuning_machine(run: dict[str, Any]) -> str:
+    """A tuning run's machine: its CPU model and, where recorded, the widest vector extension (one model name
+    covers machines that differ in it)."""
+    widest = run.get("cpu_widest")
+    return f"{run.get('cpu', '?')} ({widest})" if widest else run.get("cpu", "?")
 
 
 def ablation_kind(run: dict[str, Any]) -> str | None:
@@ -387,7 +394,7 @@ def tta_ablation(runs: list[dict[str, Any]]) -> list[str]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for run in runs:
         if (kind := ablation_kind(run)) is not None:
-            groups.setdefault((run.get("cpu", "?"), kind), []).append(run)
+            groups.setdefault((tuning_machine(run), kind), []).append(run)
     if not groups:
         return ["_No ablation run yet: `python -m scripts.bench.tta --tune recipe --ablation --set comm.kind=KIND "
                 "--tuning-seeds 0 1 2` runs one._"]

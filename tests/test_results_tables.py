@@ -184,15 +184,19 @@ def test_the_ablation_groups_the_recipes_runs_to_the_end_by_exchange_only(tmp_pa
             run("baseline", 0, [], 0.99), run("recipe", 3, ["comm.kind=dense"], None)]  # stopped at its target
     (tmp_path / "tta_tuning.json").write_text(json.dumps(runs))
     runs.append({**run("recipe", 0, ["comm.kind=dense"], 0.5), "cpu": "CPU B"})  # another machine: its own row
+    # one model name, another vector extension: another machine
+    runs.append({**run("recipe", 1, ["comm.kind=dense"], 0.4), "cpu_widest": "avx512_bf16"})
     (tmp_path / "tta_tuning.json").write_text(json.dumps(runs))
     rows = [line for line in render("tta_ablation", tmp_path).splitlines() if line.startswith("| CPU")]
     assert rows == ["| CPU A | `auto (the config)` | 0 | `abcdef0` | 60.00% (60.00-60.00) | 90.00% (90.00-90.00) |",
                     "| CPU A | `dense` | 0, 1 | `abcdef0` | 75.00% (70.00-80.00) | 90.00% (90.00-90.00) |",
                     "| CPU A | `hitopk` | 0 | `abcdef0` | 50.00% (50.00-50.00) | 90.00% (90.00-90.00) |",
+                    "| CPU A (avx512_bf16) | `dense` | 1 | `abcdef0` | 40.00% (40.00-40.00) | 90.00% (90.00-90.00) |",
                     "| CPU B | `dense` | 0 | `abcdef0` | 50.00% (50.00-50.00) | 90.00% (90.00-90.00) |"]
     # the tuning table lists them all, and counts the ablation runs apart from the tuning runs
     text = render("tta_tuning", tmp_path)
-    assert "recipe: 3 runs" in text and "baseline: 1 runs" in text and "and 5 ablation runs" in text
+    assert "recipe: 3 runs" in text and "baseline: 1 runs" in text and "and 6 ablation runs" in text
+    assert "| CPU A (avx512_bf16) | 2026-12-03 15:00 |" in text
 
 
 def test_a_result_made_of_training_runs_shows_the_runs_load_not_the_report_s() -> None:

@@ -17,10 +17,11 @@ import torch
 import yaml
 from PIL import Image
 
+from data.cache import lowres_short_side
 from data.tta_photos import VAL_SIDE, prepare, region_centres
 from scripts import tta_baseline  # the baseline contender: a command line (parse_args, main) under test
 from scripts.bench import tta  # the bench's command line (main) and its runner
-from scripts.bench.common import run_logged  # the benches' run control: to the end, nothing left running
+from scripts.bench.common import machine, run_logged  # the machine a run records; the benches' run control
 from tests.conftest import ROOT, run_ranks
 from trainer import tta_plot
 from trainer.tta_plot import plot
@@ -186,9 +187,10 @@ KNOBS = {"off": (["train.ema_decay=0", "train.eval_flip=false"], ["--no-model-em
                 ["--model-ema", "--model-ema-steps=1", "--lr-min=0.001"])}
 
 
+@pytest.mark.parametrize("config", tta.side_configs("recipe"))
 @pytest.mark.parametrize("knobs", sorted(KNOBS))
-def test_both_sides_evaluate_the_same_pixels(photos, tmp_path, knobs):
-    """The recipe's validation batches (DALI, through the cache, at the frozen config's sizes) equal the
+def test_both_sides_evaluate_the_same_pixels(photos, tmp_path, knobs, config):
+    """The recipe's validation batches (DALI, through the cache, at each frozen config's sizes) equal the
     baseline's (PIL + torchvision transforms) image by image, with the evaluation and schedule knobs off and on
     (the recipe's test-time flip then also scores the mirror of these same pixels)."""
     pytest.importorskip("nvidia.dali")
@@ -199,14 +201,19 @@ def test_both_sides_evaluate_the_same_pixels(photos, tmp_path, knobs):
     # the frozen config as the bench runs it (its sizes, normalization, layout, dtype, cache levels), with the
     # bench's own folders
     recipe_knobs, baseline_knobs = KNOBS[knobs]
-    recipe = load_config(Config, str(ROOT / tta.RECIPE_CONFIG),
+    recipe = load_config(Config, str(ROOT / config),
                          [f"data.root={photos}", f"data.cache.dir={tmp_path / 'cache'}", "data.cache.ram=false",
                           *recipe_knobs])
-    # one evaluation size in every phase, above the low-res level's: validation decodes the PNGs themselves
+    # one evaluation size in every phase; validation reads the PNGs' own pixels: decoded as they are, or from
+    # low-res copies made at the PNGs' own size (PIL's resize to the same size returns them unchanged); the
+    # comparison below is what holds either way
     assert len({p.val_image_size for p in recipe.schedule.phases}) == 1
-    assert recipe.schedule.phases[0].val_image_size > recipe.data.cache.lowres_max_image_size
+    assert recipe.schedule.phases[0].val_image_size > recipe.data.cache.lowres_max_image_size or \
+        lowres_short_side(recipe.data.cache, recipe.data.val_resize_ratio) == VAL_SIDE
     val_size = recipe.schedule.phases[-1].val_image_size
     data = DaliImageData(recipe.data, rank=0, world_size=1, seed=0)
+    from_copies = val_size <= recipe.data.cache.lowres_max_image_size
+    assert data.fetch_for("val", val_size) == ("lowres" if from_copies else "encoded")
     batches = list(data.val_loader(val_size, 5))
     dali, dali_labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     args = tta_baseline.parse_args(["--config", tta.BASELINE_CONFIG, f"--data-path={photos}", "--workers=0",
@@ -516,7 +523,11 @@ def test_tuning_history_is_data(tmp_path):
     # the config file the overrides applied to, as it was, and the precision each side trained in
     assert history[0]["config"]["file"] == tta.config_for("baseline", tta.HEADLINE[0])
     assert history[0]["precision"] == "fp32"
-    assert history[1]["config"] == tta.config_record(tta.RECIPE_CONFIG) and history[1]["precision"] == "bf16"
+    assert history[1]["config"] == tta.config_record(tta.config_for("recipe", tta.HEADLINE[0]))
+    assert history[1]["precision"] == "bf16"
+    # the machine: its model name and widest vector extension (one model name covers machines that differ in it)
+    assert {h["cpu_widest"] for h in history} == {tta.widest_flag(machine()["cpu_flags"])}
+    assert tta.widest_flag(["avx2", "avx512f", "avx512_bf16"]) == "avx512_bf16" and tta.widest_flag(["sse2"]) == ""
 
 
 # ---------------------------------------------------------------- the frozen configs
@@ -533,10 +544,11 @@ def test_frozen_configs_compare_like_with_like():
         assert {p.batch_size for p in cfg.schedule.phases} == {2 * base.batch_size}  # 2 ranks
         assert cfg.data.min_scale == base.min_scale and cfg.data.hflip == (base.hflip_prob == 0.5)
         assert cfg.data.workers == base.workers
-        # Validation: the same size at every phase, the same resize, never from the recipe's low-res copies.
+        # Validation: the same size at every phase, the same resize, the PNGs' own pixels.
         assert {p.val_image_size for p in cfg.schedule.phases} == {base.val_crop_size}
         assert round(base.val_crop_size * cfg.data.val_resize_ratio) == base.val_resize_size == VAL_SIDE
-        assert cfg.data.cache.lowres_max_image_size < base.val_crop_size
+        assert cfg.data.cache.lowres_max_image_size < base.val_crop_size or \
+            lowres_short_side(cfg.data.cache, cfg.data.val_resize_ratio) == VAL_SIDE  # the PNGs' own size
         assert not 0 < cfg.data.rect_val_from_size <= base.val_crop_size  # square crops, as the baseline's
         assert cfg.schedule.phases[-1].end_epoch == cfg.train.epochs
 
@@ -583,16 +595,18 @@ def test_result_line_carries_both_configs(tmp_path, monkeypatch, capsys):
     assert line["bench"].startswith("tta-")
     assert line["frozen"] == {side: {f"{t:g}": tta.config_for(side, t) for t in tta.HEADLINE} for side in tta.SIDES}
     files = {c["file"]: dict(c) for c in line["config_files"]}
-    baseline, recipe = files[tta.BASELINE_CONFIG], files[tta.RECIPE_CONFIG]
-    assert baseline.pop("file") == tta.BASELINE_CONFIG and recipe.pop("file") == tta.RECIPE_CONFIG
+    assert sorted(files) == sorted({*tta.side_configs("baseline"), *tta.side_configs("recipe")})
+    baseline = files[tta.BASELINE_CONFIG]
+    assert baseline.pop("file") == tta.BASELINE_CONFIG
     assert baseline.keys() == yaml.safe_load((ROOT / tta.BASELINE_CONFIG).read_text()).keys()
-    assert recipe.keys() == yaml.safe_load((ROOT / tta.RECIPE_CONFIG).read_text()).keys()
     args = tta_baseline.parse_args(["--config", str(ROOT / tta.BASELINE_CONFIG)])
     for key, value in baseline.items():
         parsed = getattr(args, key.replace("-", "_"))
         assert parsed == (Path(value) if isinstance(parsed, Path) else value), key
-    assert_loaded_as({k: v for k, v in recipe.items() if k != "base"},
-                     load_config(Config, str(ROOT / tta.RECIPE_CONFIG)), "")
+    for path in tta.side_configs("recipe"):
+        recipe = files[path]
+        assert recipe.pop("file") == path and recipe.keys() == yaml.safe_load((ROOT / path).read_text()).keys()
+        assert_loaded_as({k: v for k, v in recipe.items() if k != "base"}, load_config(Config, str(ROOT / path)), "")
 
 
 def test_each_target_reads_each_sides_config_for_it(tmp_path, monkeypatch):
@@ -601,6 +615,7 @@ def test_each_target_reads_each_sides_config_for_it(tmp_path, monkeypatch):
     from dataclasses import asdict
 
     monkeypatch.setitem(tta.FROZEN, "baseline", {0.7: "configs/b70.yaml", 0.75: "configs/b75.yaml"})
+    monkeypatch.setitem(tta.FROZEN, "recipe", {t: tta.RECIPE_CONFIG for t in tta.HEADLINE})  # one for both
     assert tta.side_configs("baseline") == ["configs/b70.yaml", "configs/b75.yaml"]
     assert [tta.config_for("baseline", t) for t in (0.6, 0.7, 0.72, 0.75, 0.8)] == [
         "configs/b70.yaml", "configs/b70.yaml", "configs/b75.yaml", "configs/b75.yaml", "configs/b75.yaml"]
@@ -627,7 +642,8 @@ def test_each_target_reads_each_sides_config_for_it(tmp_path, monkeypatch):
 def test_result_of_finished_runs_keeps_complete_seeds_only(tmp_path, monkeypatch):
     from dataclasses import asdict
 
-    monkeypatch.setitem(tta.FROZEN, "baseline", {t: tta.BASELINE_CONFIG for t in tta.HEADLINE})  # one per side
+    for side in tta.SIDES:  # one config per side
+        monkeypatch.setitem(tta.FROZEN, side, {t: tta.config_for(side, tta.HEADLINE[0]) for t in tta.HEADLINE})
 
     # a complete fresh seed, an incomplete one, and a complete tuning seed (never part of a result)
     for r in (run("baseline", 100, 50.0), run("recipe", 100, 20.0), run("recipe", 101, 30.0),

@@ -69,10 +69,11 @@ SIDE_COLORS = {"baseline": "tab:blue", "recipe": "tab:orange"}
 BASELINE = ("torchvision reference recipe (ImageFolder + DataLoader, fixed size, SGD + cosine, DDP dense), tuned on "
             "tuning seeds")
 DATA = Path("datasets/tta_photos")  # written by scripts/make_tta_photos.py if missing
-RECIPE_CONFIG = "configs/tta_recipe_cpu.yaml"
+RECIPE_CONFIG = "configs/tta_recipe_cpu.yaml"  # the recipe on this task, which the frozen recipe configs build on
 BASELINE_CONFIG = "configs/tta_baseline_cpu.yaml"
 FROZEN: dict[str, dict[float, str]] = {"baseline": {0.7: BASELINE_CONFIG, 0.75: BASELINE_CONFIG},
-                                       "recipe": {0.7: RECIPE_CONFIG, 0.75: RECIPE_CONFIG}}
+                                       "recipe": {0.7: "configs/tta_recipe_cpu_70.yaml",
+                                                  0.75: "configs/tta_recipe_cpu_75.yaml"}}
 """Each side's frozen config per headline target, tuned for that target on tuning seeds; a side whose best config
 was the same for every target lists one file throughout and runs once per seed."""
 FRESH_SEEDS_FROM = 100  # seeds below are tuning seeds
@@ -252,7 +253,8 @@ def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], t
     for r in records:
         history.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "commit": commit or common.commit(), "choices": r.choices.get("choice"),
-                        "cpu": common.machine()["cpu"], "side": side, "purpose": purpose,
+                        "cpu": common.machine()["cpu"], "cpu_widest": widest_flag(common.machine()["cpu_flags"]),
+                        "side": side, "purpose": purpose,
                         "overrides": list(overrides), "seed": r.seed,
                         "target_consecutive": consecutive,
                         "time_to_s": {f"{t:g}": r.time_to(t, consecutive) for t in targets},
@@ -353,9 +355,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def result_name(machine: dict[str, Any]) -> str:
     """tta-<cpu model>-<widest vector flag>: one results file per machine (the ranking changes with it)."""
     words = "".join(c if c.isalnum() else " " for c in machine["cpu"].replace("(R)", "").replace("(TM)", ""))
-    flags = machine["cpu_flags"]
-    widest = next((f.replace("_", "") for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags), "")
+    widest = widest_flag(machine["cpu_flags"]).replace("_", "")
     return "tta-" + "-".join([*words.lower().split(), *([widest] if widest else [])])
+
+
+def widest_flag(flags: Sequence[str]) -> str:
+    """The widest vector extension among `flags` that changes kernel choices ('' for none): two machines with
+    one CPU model name can differ in it, and the ranking of the recipe's choices with them."""
+    return next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags), "")
 
 
 def finish(runs: Sequence[Run], out: Path, targets: Sequence[float], consecutive: int, precision: str,
