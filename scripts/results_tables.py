@@ -371,6 +371,15 @@ def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive
             "their curves are. Without overrides a run is the side's config at that commit."]
 
 
+def machine_name(m: dict[str, Any], with_flag: bool) -> str:
+    """A result's CPU model, with its widest vector extension for a per-machine bench (whose files one model name
+    with different extensions would otherwise not tell apart)."""
+    from trainer.tta_stats import widest_flag
+
+    widest = widest_flag(m.get("cpu_flags", [])) if with_flag else ""
+    return f"{m['cpu']} ({widest})" if widest else m["cpu"]
+
+
 def tuning_machine(run: dict[str, Any]) -> str:
     """A tuning run's machine: its CPU model and, where recorded, the widest vector extension (one model name
     covers machines that differ in it)."""
@@ -616,7 +625,8 @@ def summary(results_dir: Path) -> str:
             record = json.loads(path.read_text())
             load = load_span(record)
             rows.append([what, figure(record["result"]), f"[{path.stem}](docs/results/{path.name})",
-                         f"{record['machine']['cpu']}, {record['machine']['cores']} cores, {record['date'][:10]}",
+                         f"{machine_name(record['machine'], bench in PER_MACHINE)}, {record['machine']['cores']} cores, "
+                         f"{record['date'][:10]}",
                          "" if load is None else f"{load[0]:.1f} → {load[1]:.1f}"])
     if not rows:
         raise ResultsError(f"{results_dir}: no result files; `make bench` writes them")

@@ -135,13 +135,19 @@ def test_tta_headline_gives_the_range_misses_and_whether_the_choices_were_cached
 
 def test_a_per_machine_bench_renders_each_machines_file(tmp_path: Path) -> None:
     record = json.loads(next(RESULTS_DIR.glob("tta-*.json")).read_text())
-    for name, cpu in (("tta-one", "CPU One"), ("tta-two", "CPU Two")):
-        (tmp_path / f"{name}.json").write_text(json.dumps({**record, "machine": {**record["machine"], "cpu": cpu}}))
+    # two models, and one model name on two machines that differ in their widest vector extension
+    for name, cpu, flags in (("tta-one", "CPU One", ["avx2"]), ("tta-two", "CPU Two", []),
+                             ("tta-two-bf16", "CPU Two", ["avx2", "avx512f", "avx512_bf16"])):
+        machine = {**record["machine"], "cpu": cpu, "cpu_flags": flags}
+        (tmp_path / f"{name}.json").write_text(json.dumps({**record, "machine": machine}))
     text = render("tta", tmp_path)
     assert text.index("**CPU One") < text.index("docs/results/tta-one.json") < text.index("**CPU Two")
     assert "docs/results/tta-two.json" in text
     rows = [line for line in render("summary", tmp_path).splitlines() if "time to accuracy" in line]
-    assert len(rows) == 2 and "CPU One" in rows[0] and "CPU Two" in rows[1]
+    machines = {re.search(r"\[(tta-[a-z0-9-]+)\]", row)[1]: row.split(" | ")[-2] for row in rows}
+    assert machines == {"tta-one": "CPU One (avx2), 2 cores, " + record["date"][:10],
+                        "tta-two": "CPU Two, 2 cores, " + record["date"][:10],
+                        "tta-two-bf16": "CPU Two (avx512_bf16), 2 cores, " + record["date"][:10]}
 
 
 def test_tuning_runs_are_read_at_the_bench_target_from_their_curves(tmp_path: Path) -> None:

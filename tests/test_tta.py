@@ -26,7 +26,7 @@ from tests.conftest import ROOT, run_ranks
 from trainer import tta_plot
 from trainer.tta_plot import plot
 from trainer.tta_stats import (Run, accuracy, bootstrap_interval, compare, first_reach, paired_ratio, reached_at,
-                               read_curve, read_run, seed_order)
+                               read_curve, read_run, seed_order, widest_flag)
 
 pytestmark = pytest.mark.unit
 
@@ -526,8 +526,8 @@ def test_tuning_history_is_data(tmp_path):
     assert history[1]["config"] == tta.config_record(tta.config_for("recipe", tta.HEADLINE[0]))
     assert history[1]["precision"] == "bf16"
     # the machine: its model name and widest vector extension (one model name covers machines that differ in it)
-    assert {h["cpu_widest"] for h in history} == {tta.widest_flag(machine()["cpu_flags"])}
-    assert tta.widest_flag(["avx2", "avx512f", "avx512_bf16"]) == "avx512_bf16" and tta.widest_flag(["sse2"]) == ""
+    assert {h["cpu_widest"] for h in history} == {widest_flag(machine()["cpu_flags"])}
+    assert widest_flag(["avx2", "avx512f", "avx512_bf16"]) == "avx512_bf16" and widest_flag(["sse2"]) == ""
 
 
 # ---------------------------------------------------------------- the frozen configs

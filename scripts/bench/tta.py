@@ -62,7 +62,7 @@ import yaml
 from scripts.bench import common
 from scripts.bench.common import print_table
 from trainer.tta_stats import (HEADLINE, SIDES, TARGET_CONSECUTIVE, TARGETS, Run, accuracy, compare, read_run,
-                               seed_order)
+                               seed_order, widest_flag)
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDE_COLORS = {"baseline": "tab:blue", "recipe": "tab:orange"}
@@ -358,11 +358,6 @@ def result_name(machine: dict[str, Any]) -> str:
     widest = widest_flag(machine["cpu_flags"]).replace("_", "")
     return "tta-" + "-".join([*words.lower().split(), *([widest] if widest else [])])
 
-
-def widest_flag(flags: Sequence[str]) -> str:
-    """The widest vector extension among `flags` that changes kernel choices ('' for none): two machines with
-    one CPU model name can differ in it, and the ranking of the recipe's choices with them."""
-    return next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags), "")
 
 
 def finish(runs: Sequence[Run], out: Path, targets: Sequence[float], consecutive: int, precision: str,
