@@ -252,8 +252,11 @@ def tta_headline(r: dict[str, Any]) -> str:
                 + "".join(f"; {m}" for m in [*spread, *missed]) + ")")
     choices = recipe_choices(r)
     cached = bool(choices) and all(c.get("source") == "cache" for c in choices)
-    return "; ".join(one(t) for t in r["headline"]) + ("; the recipe's measured choices read from this machine's "
-                                                        "cache" if cached else "")
+    amps = sorted({str((c.get("choice") or {}).get("amp")) for c in choices} - {"None"})
+    precision = "; the recipe in " + " or ".join("fp32" if a == "off" else a for a in amps) + \
+        " (measured), the baseline in fp32" if amps else ""
+    return "; ".join(one(t) for t in r["headline"]) + precision + (
+        "; the recipe's measured choices read from this machine's cache" if cached else "")
 
 
 def tta(r: dict[str, Any]) -> list[str]:

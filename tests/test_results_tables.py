@@ -131,6 +131,11 @@ def test_tta_headline_gives_the_range_misses_and_whether_the_choices_were_cached
                                               "the recipe's measured choices read from this machine's cache")
     runs[0]["choices"]["source"] = "measured"
     assert "cache" not in results_tables.tta_headline(r)
+    # the precision each side trained in: the recipe's measured choice (train.amp off is fp32)
+    runs.append({"side": "recipe", "choices": {"source": "cache", "choice": {"amp": "bf16"}}})
+    assert results_tables.tta_headline(r).endswith("; the recipe in bf16 (measured), the baseline in fp32")
+    runs.append({"side": "recipe", "choices": {"source": "cache", "choice": {"amp": "off"}}})
+    assert results_tables.tta_headline(r).endswith("; the recipe in bf16 or fp32 (measured), the baseline in fp32")
 
 
 def test_a_per_machine_bench_renders_each_machines_file(tmp_path: Path) -> None:
