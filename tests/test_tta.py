@@ -512,7 +512,9 @@ def test_a_failed_launch_shows_the_command_status_and_log_tail(tmp_path):
 def test_tuning_history_is_data(tmp_path):
     path = tmp_path / "tuning.json"
     tta.append_tuning([run("baseline", 0, 50.0)], "baseline", ["lr=0.1"], [0.6, 0.9], 2, "fp32", path)
-    tta.append_tuning([run("recipe", 1, None)], "recipe", ["optim.lr=0.1"], [0.6, 0.9], 2, "bf16", path)
+    measuring = run("recipe", 1, None)
+    measuring.choices_s = 9.64  # its choices measured first, inside its time
+    tta.append_tuning([measuring], "recipe", ["optim.lr=0.1"], [0.6, 0.9], 2, "bf16", path)
     tta.append_tuning([run("recipe", 2, 40.0)], "recipe", ["comm.kind=dense"], [0.9], 2, "bf16", path,
                       purpose="ablation")
     history = json.loads(path.read_text())
@@ -527,6 +529,7 @@ def test_tuning_history_is_data(tmp_path):
     assert history[1]["precision"] == "bf16"
     # the machine: its model name and widest vector extension (one model name covers machines that differ in it)
     assert {h["cpu_widest"] for h in history} == {widest_flag(machine()["cpu_flags"])}
+    assert [h["choices_s"] for h in history] == [0.0, 9.6]
     assert widest_flag(["avx2", "avx512f", "avx512_bf16"]) == "avx512_bf16" and widest_flag(["sse2"]) == ""
     assert widest_flag(["avx2", "avx512f", "avx512_bf16", "amx_bf16"]) == "amx_bf16"
     assert widest_flag(["avx512f", "avx2"]) == "avx512f" and widest_flag(["avx2"]) == "avx2"

@@ -244,7 +244,7 @@ def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], t
                   config: str | None = None, purpose: str = "tuning") -> Path:
     """Append tuning runs to the tuning history (a JSON list), with the date, machine, commit, the side's config
     file as it was (the overrides apply on top of it), the recipe's precision, each run's curve, its time to
-    every target and its measured choices. `commit`: the one the runs ran at (default: now; the history file
+    every target, its measured choices and the seconds measuring them took inside its time. `commit`: the one the runs ran at (default: now; the history file
     itself is a tracked file, so a second append would read as +dirty); `config`: the file the overrides applied
     to (default: the side's config for the first headline target); `purpose`: "tuning", or "ablation" for runs
     that only vary the exchange (counted apart from the tuning runs)."""
@@ -253,6 +253,7 @@ def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], t
     for r in records:
         history.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "commit": commit or common.commit(), "choices": r.choices.get("choice"),
+                        "choices_s": round(r.choices_s, 1),
                         "cpu": common.machine()["cpu"], "cpu_widest": widest_flag(common.machine()["cpu_flags"]),
                         "side": side, "purpose": purpose,
                         "overrides": list(overrides), "seed": r.seed,
