@@ -252,7 +252,7 @@ def tta_headline(r: dict[str, Any]) -> str:
                 + "".join(f"; {m}" for m in [*spread, *missed]) + ")")
     choices = recipe_choices(r)
     cached = bool(choices) and all(c.get("source") == "cache" for c in choices)
-    amps = sorted({str((c.get("choice") or {}).get("amp")) for c in choices} - {"None"})
+    amps = recipe_amps(r)
     precision = "; the recipe in " + " or ".join("fp32" if a == "off" else a for a in amps) + \
         " (measured), the baseline in fp32" if amps else ""
     return "; ".join(one(t) for t in r["headline"]) + precision + (
@@ -295,9 +295,14 @@ def recipe_choices(r: dict[str, Any]) -> list[dict[str, Any]]:
     return [run.get("choices") or {} for run in r.get("runs", []) if run["side"] == "recipe"]
 
 
+def recipe_amps(r: dict[str, Any]) -> list[str]:
+    """The train.amp values the recipe's runs measured and chose (none where it was pinned)."""
+    return sorted({str((c.get("choice") or {}).get("amp")) for c in recipe_choices(r)} - {"None"})
+
+
 def recipe_precision(r: dict[str, Any]) -> str:
     """How the recipe's precision was set, and, where it was measured, what each run chose."""
-    chosen = sorted({str((c.get("choice") or {}).get("amp")) for c in recipe_choices(r)} - {"None"})
+    chosen = recipe_amps(r)
     if not chosen:
         return f"The recipe ran in {r['recipe_precision']}."
     return (f"The recipe's precision: {r['recipe_precision']}; its runs chose train.amp "
@@ -374,20 +379,15 @@ def tta_tuning(runs: list[dict[str, Any]], targets: Sequence[float], consecutive
             "their curves are. Without overrides a run is the side's config at that commit."]
 
 
-def machine_name(m: dict[str, Any], with_flag: bool) -> str:
-    """A result's CPU model, with its widest vector extension for a per-machine bench (whose files one model name
-    with different extensions would otherwise not tell apart)."""
-    from trainer.tta_stats import widest_flag
-
-    widest = widest_flag(m.get("cpu_flags", [])) if with_flag else ""
-    return f"{m['cpu']} ({widest})" if widest else m["cpu"]
+def machine_label(cpu: str, widest: str = "") -> str:
+    """A CPU model with its widest vector extension where there is one: one model name covers machines that
+    differ in it (per-machine results, tuning runs)."""
+    return f"{cpu} ({widest})" if widest else cpu
 
 
 def tuning_machine(run: dict[str, Any]) -> str:
-    """A tuning run's machine: its CPU model and, where recorded, the widest vector extension (one model name
-    covers machines that differ in it)."""
-    widest = run.get("cpu_widest")
-    return f"{run.get('cpu', '?')} ({widest})" if widest else run.get("cpu", "?")
+    """A tuning run's machine (its widest vector extension where the record has one)."""
+    return machine_label(run.get("cpu", "?"), run.get("cpu_widest", ""))
 
 
 def ablation_kind(run: dict[str, Any]) -> str | None:
@@ -622,14 +622,17 @@ def result_files(results_dir: Path, bench: str) -> list[Path]:
 
 
 def summary(results_dir: Path) -> str:
+    from trainer.run_record import widest_flag
+
     rows = []
     for bench, (what, figure) in SUMMARY.items():
         for path in result_files(results_dir, bench):
             record = json.loads(path.read_text())
-            load = load_span(record)
+            load, m = load_span(record), record["machine"]
+            # a per-machine bench's files of one model name differ in the widest vector extension
+            cpu = machine_label(m["cpu"], widest_flag(m.get("cpu_flags", [])) if bench in PER_MACHINE else "")
             rows.append([what, figure(record["result"]), f"[{path.stem}](docs/results/{path.name})",
-                         f"{machine_name(record['machine'], bench in PER_MACHINE)}, {record['machine']['cores']} cores, "
-                         f"{record['date'][:10]}",
+                         f"{cpu}, {m['cores']} cores, {record['date'][:10]}",
                          "" if load is None else f"{load[0]:.1f} → {load[1]:.1f}"])
     if not rows:
         raise ResultsError(f"{results_dir}: no result files; `make bench` writes them")

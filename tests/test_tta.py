@@ -24,9 +24,10 @@ from scripts.bench import tta  # the bench's command line (main) and its runner
 from scripts.bench.common import machine, run_logged  # the machine a run records; the benches' run control
 from tests.conftest import ROOT, run_ranks
 from trainer import tta_plot
+from trainer.run_record import widest_flag
 from trainer.tta_plot import plot
 from trainer.tta_stats import (Run, accuracy, bootstrap_interval, compare, first_reach, paired_ratio, reached_at,
-                               read_curve, read_run, seed_order, widest_flag)
+                               read_curve, read_run, seed_order)
 
 pytestmark = pytest.mark.unit
 

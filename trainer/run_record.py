@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -69,6 +69,12 @@ def kernel_flags() -> list[str]:
     """This CPU's `KERNEL_FLAGS`, in that order."""
     flags = set(cpu_info()["flags"] or [])
     return [f for f in KERNEL_FLAGS if f in flags]
+
+
+def widest_flag(flags: Sequence[str]) -> str:
+    """The widest vector extension among a CPU's `flags` ('' for none): what tells apart machines that one model
+    name covers."""
+    return next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags), "")
 
 
 def device_name(device: torch.device) -> str:

@@ -34,12 +34,6 @@ TARGET_CONSECUTIVE = 2
 """Evaluations in a row at or above a target before it counts as reached."""
 
 
-def widest_flag(flags: Sequence[str]) -> str:
-    """The widest vector extension among a CPU's `flags` that changes kernel choices ('' for none): two machines
-    with one CPU model name can differ in it, and the recipe's measured choices and the ranking with them."""
-    return next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags), "")
-
-
 def reached_at(top1: Sequence[float], target: float, consecutive: int) -> int | None:
     """Index of the evaluation that completes the first run of `consecutive` evaluations at or above `target`."""
     streak = 0

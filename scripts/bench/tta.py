@@ -61,8 +61,9 @@ import yaml
 
 from scripts.bench import common
 from scripts.bench.common import print_table
+from trainer.run_record import widest_flag
 from trainer.tta_stats import (HEADLINE, SIDES, TARGET_CONSECUTIVE, TARGETS, Run, accuracy, compare, read_run,
-                               seed_order, widest_flag)
+                               seed_order)
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDE_COLORS = {"baseline": "tab:blue", "recipe": "tab:orange"}
@@ -244,17 +245,19 @@ def append_tuning(records: Sequence[Run], side: str, overrides: Sequence[str], t
                   config: str | None = None, purpose: str = "tuning") -> Path:
     """Append tuning runs to the tuning history (a JSON list), with the date, machine, commit, the side's config
     file as it was (the overrides apply on top of it), the recipe's precision, each run's curve, its time to
-    every target, its measured choices and the seconds measuring them took inside its time. `commit`: the one the runs ran at (default: now; the history file
-    itself is a tracked file, so a second append would read as +dirty); `config`: the file the overrides applied
-    to (default: the side's config for the first headline target); `purpose`: "tuning", or "ablation" for runs
-    that only vary the exchange (counted apart from the tuning runs)."""
+    every target, its measured choices and the seconds measuring them took inside its time. `commit`: the one
+    the runs ran at (default: now; the history file itself is a tracked file, so a second append would read as
+    +dirty); `config`: the file the overrides applied to (default: the side's config for the first headline
+    target); `purpose`: "tuning", or "ablation" for runs that only vary the exchange (counted apart from the
+    tuning runs)."""
     history = json.loads(path.read_text()) if path.is_file() else []
     config_doc = config_record(config or config_for(side, HEADLINE[0]))
+    machine = common.machine()
     for r in records:
         history.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "commit": commit or common.commit(), "choices": r.choices.get("choice"),
                         "choices_s": round(r.choices_s, 1),
-                        "cpu": common.machine()["cpu"], "cpu_widest": widest_flag(common.machine()["cpu_flags"]),
+                        "cpu": machine["cpu"], "cpu_widest": widest_flag(machine["cpu_flags"]),
                         "side": side, "purpose": purpose,
                         "overrides": list(overrides), "seed": r.seed,
                         "target_consecutive": consecutive,
@@ -358,7 +361,6 @@ def result_name(machine: dict[str, Any]) -> str:
     words = "".join(c if c.isalnum() else " " for c in machine["cpu"].replace("(R)", "").replace("(TM)", ""))
     widest = widest_flag(machine["cpu_flags"]).replace("_", "")
     return "tta-" + "-".join([*words.lower().split(), *([widest] if widest else [])])
-
 
 
 def finish(runs: Sequence[Run], out: Path, targets: Sequence[float], consecutive: int, precision: str,
