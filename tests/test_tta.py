@@ -260,7 +260,9 @@ def test_baseline_stops_at_the_second_evaluation_at_the_target(baseline_runs):
     assert summary["time_to_target_s"] == records[1]["time/elapsed_s"] > records[0]["time/elapsed_s"]
     assert records[0]["eval/images"] == 12  # each validation image once across the 2 ranks
     args = json.loads((baseline_runs["stopped"] / "args.json").read_text())
-    assert args["lr"] == "0.05" and args["norm_weight_decay"] == "0.0" and args["channels_last"] == "False"
+    frozen = yaml.safe_load((ROOT / tta.BASELINE_CONFIG).read_text())  # lr and layout from the file, the rest from argv
+    assert args["lr"] == str(frozen["lr"]) and args["channels_last"] == str(frozen["channels-last"])
+    assert args["norm_weight_decay"] == "0.0" and args["epochs"] == "4"
 
 
 @pytest.mark.e2e

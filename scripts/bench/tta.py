@@ -24,8 +24,9 @@ read from the runs of the configs frozen for it:
   (a) baseline: scripts/tta_baseline.py --config configs/tta_baseline_cpu[_70].yaml, the torchvision reference recipe
       (ImageFolder + DataLoader, PIL decodes every JPEG every epoch, one fixed image size, SGD + warm-up + cosine,
       DDP dense allreduce, fp32: the reference's --amp is CUDA-only), tuned with the reference's flags;
-  (b) recipe: `recipes.resnet50 --config configs/tta_recipe_cpu.yaml` (DALI CPU mode behind the multi-level cache,
-      empty at the start of each run so its fill is timed; progressive resizing; LARS; the weights' moving average;
+  (b) recipe: `recipes.resnet50 --config configs/tta_recipe_cpu_48px.yaml`, built on tta_recipe_cpu.yaml (DALI CPU
+      mode behind the multi-level cache, empty at the start of each run so its fill is timed; progressive
+      resizing; LARS; the weights' moving average;
       the communicator, precision, memory layout and convolutions measured at start-up: comm.kind, train.amp,
       train.channels_last, model.small_map_gemm all auto), tuned with its config keys; the seconds its measured
       choices take before its clock (none when this machine's cache has them) count in its time.
@@ -72,9 +73,9 @@ BASELINE = ("torchvision reference recipe (ImageFolder + DataLoader, fixed size,
 DATA = Path("datasets/tta_photos")  # written by scripts/make_tta_photos.py if missing
 RECIPE_CONFIG = "configs/tta_recipe_cpu.yaml"  # the recipe on this task, which the frozen recipe configs build on
 BASELINE_CONFIG = "configs/tta_baseline_cpu.yaml"
+RECIPE_FROZEN = "configs/tta_recipe_cpu_48px.yaml"
 FROZEN: dict[str, dict[float, str]] = {"baseline": {0.7: BASELINE_CONFIG, 0.75: BASELINE_CONFIG},
-                                       "recipe": {0.7: "configs/tta_recipe_cpu_70.yaml",
-                                                  0.75: "configs/tta_recipe_cpu_75.yaml"}}
+                                       "recipe": {0.7: RECIPE_FROZEN, 0.75: RECIPE_FROZEN}}
 """Each side's frozen config per headline target, tuned for that target on tuning seeds; a side whose best config
 was the same for every target lists one file throughout and runs once per seed."""
 FRESH_SEEDS_FROM = 100  # seeds below are tuning seeds
