@@ -21,7 +21,7 @@ The sides, each with a frozen config per headline target (FROZEN; one file where
 both), tuned on tuning seeds with the same number of runs (docs/results/tta_tuning.json holds every tuning run as
 data, with the flags each one changed); a side with two configs runs both on every fresh seed, and each target is
 read from the runs of the configs frozen for it:
-  (a) baseline: scripts/tta_baseline.py --config configs/tta_baseline_cpu[_70].yaml, the torchvision reference recipe
+  (a) baseline: scripts/tta_baseline.py --config configs/tta_baseline_cpu.yaml, the torchvision reference recipe
       (ImageFolder + DataLoader, PIL decodes every JPEG every epoch, one fixed image size, SGD + warm-up + cosine,
       DDP dense allreduce, fp32: the reference's --amp is CUDA-only), tuned with the reference's flags;
   (b) recipe: `recipes.resnet50 --config configs/tta_recipe_cpu_48px.yaml`, built on tta_recipe_cpu.yaml (DALI CPU
