@@ -252,11 +252,13 @@ def tta_headline(r: dict[str, Any]) -> str:
                 + "".join(f"; {m}" for m in [*spread, *missed]) + ")")
     choices = recipe_choices(r)
     cached = bool(choices) and all(c.get("source") == "cache" for c in choices)
-    amps = recipe_amps(r)
-    precision = "; the recipe in " + " or ".join("fp32" if a == "off" else a for a in amps) + \
-        " (measured), the baseline in fp32" if amps else ""
-    return "; ".join(one(t) for t in r["headline"]) + precision + (
-        "; the recipe's measured choices read from this machine's cache" if cached else "")
+    parts = [one(t) for t in r["headline"]]
+    if amps := recipe_amps(r):
+        parts.append(f"the recipe in {' or '.join('fp32' if a == 'off' else a for a in amps)} (measured), "
+                     "the baseline in fp32")
+    if cached:
+        parts.append("the recipe's measured choices read from this machine's cache")
+    return "; ".join(parts)
 
 
 def tta(r: dict[str, Any]) -> list[str]:

@@ -533,6 +533,9 @@ def test_tuning_history_is_data(tmp_path):
     # the machine: its model name and widest vector extension (one model name covers machines that differ in it)
     assert {h["cpu_widest"] for h in history} == {widest_flag(machine()["cpu_flags"])}
     assert [h["choices_s"] for h in history] == [0.0, 9.6]
+
+
+def test_widest_flag_names_the_widest_vector_extension():
     assert widest_flag(["avx2", "avx512f", "avx512_bf16"]) == "avx512_bf16" and widest_flag(["sse2"]) == ""
     assert widest_flag(["avx2", "avx512f", "avx512_bf16", "amx_bf16"]) == "amx_bf16"
     assert widest_flag(["avx512f", "avx2"]) == "avx512f" and widest_flag(["avx2"]) == "avx2"
