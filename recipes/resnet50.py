@@ -43,6 +43,10 @@ class ModelConfig:
     """On the CPU, convolutions with at most 4 output positions (the last stage at 32-64 px) run as one GEMM
     (kernels/small_conv.py): true, false, or auto = measured at start-up against oneDNN's direct
     convolutions (trainer/choices.py); same parameters; no effect on CUDA."""
+    max_pool_channels_last: bool = True
+    """On the CPU, the stem's max pool takes ATen's channels-last kernel for NCHW activations
+    (kernels/max_pool.py): the same outputs and gradients, bit for bit, from a vectorized kernel; false = the
+    NCHW kernel. No effect on CUDA or with train.channels_last."""
     init: Literal["random", "torchvision"] = "random"
     """Initial weights: random, or torchvision's pretrained weights for model.arch found on this machine
     (model.init_weights, else torch hub's cache); a classifier of another size stays random."""
@@ -93,7 +97,7 @@ class GlobalAvgPool(nn.Module):
 def build_model(cfg: ModelConfig, num_classes: int, verbose: bool = False) -> nn.Module:
     """torchvision's ResNet, residual blocks starting as the identity (model.zero_init_residual), or from
     torchvision's pretrained weights (model.init), its global pool a `GlobalAvgPool` (no parameters: the state
-    dict keeps torchvision's keys); the task applies model.small_map_gemm."""
+    dict keeps torchvision's keys); the task applies model.small_map_gemm and model.max_pool_channels_last."""
     model = torchvision.models.get_model(cfg.arch, num_classes=num_classes, zero_init_residual=cfg.zero_init_residual)
     model.avgpool = GlobalAvgPool()
     return maybe_init_from_torchvision(model, cfg.init, cfg.arch, cfg.init_weights, verbose)
@@ -103,7 +107,7 @@ def build_task(cfg: Config, topo: Topology, data: Any) -> tuple[ClassificationTa
     """Parameter groups (trainer/optim.py): no weight decay and no LARS trust ratio on BatchNorm and biases."""
     model = build_model(cfg.model, data.num_classes, verbose=topo.is_main).to(topo.device)
     task = ClassificationTask(model, data, topo, cfg.schedule.phases, cfg.train, cfg.model.label_smoothing,
-                              cfg.model.small_map_gemm)
+                              cfg.model.small_map_gemm, cfg.model.max_pool_channels_last)
     return task, build_optimizer(task.model, cfg.optim)
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from data import build_image_data
-from kernels import use_direct_convs, use_gemm_for_small_maps
+from kernels import use_channels_last_max_pool, use_direct_convs, use_gemm_for_small_maps
 from trainer.choices import Probe
 from trainer.config import require
 from trainer.dist import Topology, all_reduce_sum, broadcast_module
@@ -103,7 +103,9 @@ class ClassificationTask(Task):
     """A model and an image data source (`data.build_image_data`); phases set image and global batch size.
     Two measured choices are the task's: the memory layout of the model and every batch (`train.channels_last`)
     and, on the CPU, convolutions on tiny maps as GEMMs (`small_map_gemm`, kernels/small_conv.py); a pinned
-    value is applied at once, `auto` when the Trainer has measured (`apply_choices`). Evaluation runs the
+    value is applied at once, `auto` when the Trainer has measured (`apply_choices`). On the CPU, max pooling
+    of NCHW activations may take the channels-last kernel (`max_pool_channels_last`, kernels/max_pool.py:
+    the same results, so not a choice to measure). Evaluation runs the
     weights' moving average (`train.ema_decay`, trainer/ema.py) or the model itself, on each image or also on
     its mirror (`train.eval_flip`)."""
 
@@ -111,12 +113,14 @@ class ClassificationTask(Task):
 
     def __init__(self, model: nn.Module, data: Any, topo: Topology, phases: list[Phase],
                  train: ClassificationTrainConfig, label_smoothing: float = 0.0,
-                 small_map_gemm: bool | str = False) -> None:
+                 small_map_gemm: bool | str = False, max_pool_channels_last: bool = False) -> None:
         for p in phases:
             require(p.batch_size % topo.world_size == 0,
                     f"schedule.phases: batch_size {p.batch_size} (global) is not divisible by the world size "
                     f"{topo.world_size}")
         self.model, self.data, self.topo = model, data, topo
+        if max_pool_channels_last and topo.device.type == "cpu":
+            use_channels_last_max_pool(model)  # before the average copies the model: both pool alike
         gemm = small_map_gemm if topo.device.type == "cpu" else False  # no effect on CUDA: nothing to measure
         self.space = {"channels_last": [False, True] if train.channels_last == "auto" else [train.channels_last],
                       "small_map_gemm": [False, True] if gemm == "auto" else [bool(gemm)]}
