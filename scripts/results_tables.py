@@ -145,6 +145,17 @@ def small_conv(r: dict[str, Any]) -> list[str]:
             *table(["model", "px", "stock ResNet ms", "small_map_gemm ms", "speed-up"], rows)]
 
 
+def max_pool(r: dict[str, Any]) -> list[str]:
+    def rows(key: str) -> list[list[Any]]:
+        return [[s["model"], s["px"], s["precision"], num(s["stock_ms"]), num(s["switched_ms"]),
+                 times(s["stock_ms"] / s["switched_ms"])] for s in r[key]]
+    header = ["model", "px", "precision", "stock ResNet ms", "max_pool_channels_last ms", "speed-up"]
+    pools = ", ".join(f"{p['px']} px {p['precision']} {times(p['stock_ms'] / p['switched_ms'])}" for p in r["pool"])
+    return [f"Batch {r['batch']}, {r['threads']} thread(s), both models NCHW. The stem's pool alone, forward + "
+            f"backward: {pools}.", "", "A training step (forward, loss, backward):", "", *table(header, rows("train")),
+            "", "An evaluation forward:", "", *table(header, rows("eval"))]
+
+
 def replica_guard(r: dict[str, Any]) -> list[str]:
     return [*table(["what", "ms"], [["training step (" + r["baseline"] + ")", num(r["step_ms"])],
                                     ["weight checksum", num(r["checksum_ms"])]]), "",
@@ -560,6 +571,8 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
                           if "auto" in r["results"] else "")),
     "optim": ("FusedLARS step over a per-tensor LARS loop", lambda r: times(r["ratio"])),
     "small_conv": ("ResNet steps with small-map GEMM convolutions over oneDNN's", lambda r: times(r["ratio"])),
+    "max_pool": ("ResNet steps and evaluation forwards (NCHW) with the channels-last max pool over ATen's NCHW pool",
+                 lambda r: times(r["ratio"])),
     "replica_guard": ("replica guard's share of training time (the checksum; its all-gather not timed)",
                       lambda r: f"{100 * r['share']:.3g}% (every {r['every_steps']} steps and {r['epochs']} epoch "
                                 "ends: the quickstart)"),
@@ -596,7 +609,7 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
 }
 TABLES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "topk": topk, "input_pipeline": input_pipeline, "data_wait": data_wait, "comm": comm, "optim": optim,
-    "small_conv": small_conv, "replica_guard": replica_guard, "transformer": transformer, "tta": tta,
+    "small_conv": small_conv, "max_pool": max_pool, "replica_guard": replica_guard, "transformer": transformer, "tta": tta,
     "scaling": scaling, "choices": choices, "choices_screen": choices_screen, "quickstart": quickstart,
     "cluster_tta": cluster_tta, "links": links}
 NOT_YET = {"cluster_tta": "_No result file yet, so no table: `sudo .venv/bin/python -m scripts.bench.cluster_tta` "

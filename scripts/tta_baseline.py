@@ -14,8 +14,8 @@ its names and defaults: `--lr`, `--epochs`, `--lr-warmup-epochs` (0), `--lr-warm
 is CUDA autocast, so its users train in fp32 on a CPU, as this script does.
 
 Memory format: contiguous (NCHW) tensors by default, as the reference, which has no memory-format flag;
-`--channels-last` converts the model and every batch to channels-last (NHWC strides). The frozen choice is the
-one in configs/tta_baseline_cpu.yaml.
+`--channels-last` converts the model and every batch to channels-last (NHWC strides). The frozen choices are
+in configs/tta_baseline_cpu.yaml (70% top-1) and tta_baseline_cpu_75.yaml.
 
 `--config FILE`: a YAML mapping of this script's options (names as on the command line, without the dashes) that
 replaces the defaults; options given on the command line win; `base: OTHER.yaml` (relative to the file) takes

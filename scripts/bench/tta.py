@@ -73,8 +73,9 @@ BASELINE = ("torchvision reference recipe (ImageFolder + DataLoader, fixed size,
 DATA = Path("datasets/tta_photos")  # written by scripts/make_tta_photos.py if missing
 RECIPE_CONFIG = "configs/tta_recipe_cpu.yaml"  # the recipe on this task, which the frozen recipe configs build on
 BASELINE_CONFIG = "configs/tta_baseline_cpu.yaml"
+BASELINE_FROZEN_75 = "configs/tta_baseline_cpu_75.yaml"
 RECIPE_FROZEN = "configs/tta_recipe_cpu_48px.yaml"
-FROZEN: dict[str, dict[float, str]] = {"baseline": {0.7: BASELINE_CONFIG, 0.75: BASELINE_CONFIG},
+FROZEN: dict[str, dict[float, str]] = {"baseline": {0.7: BASELINE_CONFIG, 0.75: BASELINE_FROZEN_75},
                                        "recipe": {0.7: RECIPE_FROZEN, 0.75: RECIPE_FROZEN}}
 """Each side's frozen config per headline target, tuned for that target on tuning seeds; a side whose best config
 was the same for every target lists one file throughout and runs once per seed."""
