@@ -571,8 +571,8 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
                           if "auto" in r["results"] else "")),
     "optim": ("FusedLARS step over a per-tensor LARS loop", lambda r: times(r["ratio"])),
     "small_conv": ("ResNet steps with small-map GEMM convolutions over oneDNN's", lambda r: times(r["ratio"])),
-    "max_pool": ("ResNet steps and evaluation forwards (NCHW) with the channels-last max pool over ATen's NCHW pool",
-                 lambda r: times(r["ratio"])),
+    "max_pool": ("ResNet steps and evaluation forwards (NCHW) with the channels-last max pool over ATen's NCHW "
+                 "pool", lambda r: times(r["ratio"])),
     "replica_guard": ("replica guard's share of training time (the checksum; its all-gather not timed)",
                       lambda r: f"{100 * r['share']:.3g}% (every {r['every_steps']} steps and {r['epochs']} epoch "
                                 "ends: the quickstart)"),

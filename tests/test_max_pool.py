@@ -55,11 +55,12 @@ def test_same_outputs_and_gradients_bit_for_bit_with_ties(dtype, pool):
     outs, grads = [], []
     for module in (stock, switched):
         leaf = x.clone().requires_grad_()
-        out = module(leaf)
+        inner = leaf * 1  # not a leaf: its gradient is the pool's backward output as returned, strides and all
+        inner.register_hook(grads.append)
+        out = module(inner)
         torch.manual_seed(1)
         out.backward(torch.randn_like(out))
         outs.append(out)
-        grads.append(leaf.grad)
     assert torch.equal(outs[1], outs[0]) and torch.equal(grads[1], grads[0])
     assert outs[1].is_contiguous() and grads[1].is_contiguous()  # NCHW back to the layers around it
     with torch.no_grad():
@@ -80,17 +81,29 @@ def test_the_channels_last_kernel_runs_forward_and_backward():
     assert ops.seen and all(cl for _, cl in ops.seen)
 
 
-def test_what_keeps_the_stock_kernel():
+def test_what_keeps_the_stock_kernel(monkeypatch):
     x = torch.randn(2, 4, 8, 8)
     assert takes_channels_last(x)
     assert not takes_channels_last(x.contiguous(memory_format=torch.channels_last))  # already vectorized
-    assert not takes_channels_last(x[:, :1])  # one channel: both layouts are the same memory
+    assert not takes_channels_last(torch.randn(2, 1, 8, 8))  # one channel: both layouts are the same memory
     assert not takes_channels_last(x[0])  # 3-D
     assert not takes_channels_last(x[..., ::2])  # a strided view
     _, switched = stock_and_switched(kernel_size=2, return_indices=True)
     with PoolInputs() as ops:
         out, indices = switched(x)
-    assert not any(cl for _, cl in ops.seen) and indices.shape == out.shape
+    assert ops.seen and not any(cl for _, cl in ops.seen) and indices.shape == out.shape
+    switched.return_indices = False
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as under dynamo: inductor pools on its own
+    with torch.no_grad(), PoolInputs() as ops:
+        switched(x)
+    assert ops.seen and not any(cl for _, cl in ops.seen)
+
+
+def test_double_backward_is_right():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 7, 7, dtype=torch.float64, requires_grad=True)
+    _, switched = stock_and_switched(kernel_size=3, stride=2, padding=1)
+    assert torch.autograd.gradgradcheck(switched, (x,))
 
 
 def test_resnet18_training_step_is_unchanged():

@@ -1,10 +1,11 @@
 """Weights between our ResNets and torchvision's: check a state dict against `torchvision.models.<arch>`, and
 start a model from torchvision's pretrained weights found on this machine (nothing is downloaded).
 
-The ResNet recipe's model *is* torchvision's model: `kernels.use_gemm_for_small_maps` changes only the class of
-its convolutions and channels-last only the memory layout, so the state-dict keys are torchvision's own and
-no renaming is needed. A checkpoint's tensors may be channels-last or on a GPU: they are made contiguous CPU
-tensors here, so the exported file is a plain torchvision state dict.
+The ResNet recipe's model *is* torchvision's model: `kernels.use_gemm_for_small_maps` and
+`kernels.use_channels_last_max_pool` change only the class of its convolutions and of its max pool, and
+channels-last only the memory layout, so the state-dict keys are torchvision's own and no renaming is needed.
+A checkpoint's tensors may be channels-last or on a GPU: they are made contiguous CPU tensors here, so the
+exported file is a plain torchvision state dict.
 """
 
 from __future__ import annotations

@@ -6,15 +6,14 @@ the same model after `use_channels_last_max_pool` (the ResNet recipe's `model.ma
 pool runs on a channels-last copy and hands NCHW back; outputs and gradients are the same bit for bit. Both in
 NCHW, at each precision (fp32, and bf16 autocast); batch 32. Three tables: the stem's pool alone (forward +
 backward), a training step (forward, cross-entropy, backward) and an evaluation forward, per image size.
-ratio (JSON) = the baseline's training steps and evaluation forwards summed over sizes and precisions / the
-contender's.
+ratio (JSON) = the baseline's training steps and evaluation forwards summed over models, sizes and precisions /
+the contender's.
 
     python -m scripts.bench.max_pool [--quick] [--threads 1]
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -24,18 +23,16 @@ from torch import nn
 
 from kernels.max_pool import use_channels_last_max_pool
 from scripts.bench.common import bench_parser, emit_result, median_ms, parse_args, print_table
+from trainer.precision import autocast
 
 BATCH = 32
-PRECISIONS = ("fp32", "bf16")
-
-
-def autocast(precision: str) -> contextlib.AbstractContextManager:
-    return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+CPU = torch.device("cpu")
 
 
 def pool_row(size: int, precision: str, repeats: int) -> list[Any]:
     """The stem's pool alone: ResNet's 3x3/2 pool of the stem's 64 x size/2 x size/2 map."""
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = PRECISIONS[precision] or torch.float32
     x = torch.randn(BATCH, 64, size // 2, size // 2, dtype=dtype, requires_grad=True)
     stock = nn.MaxPool2d(3, 2, 1)
     switched = nn.MaxPool2d(3, 2, 1)
@@ -66,7 +63,7 @@ def model_rows(arch: str, sizes: Sequence[int], repeats: int) -> tuple[list[list
             def step(model: nn.Module) -> Callable[[], None]:
                 def run() -> None:
                     model.train()
-                    with autocast(precision):
+                    with autocast(CPU, PRECISIONS[precision]):
                         loss = F.cross_entropy(model(x), y)
                     loss.backward()
                     model.zero_grad(set_to_none=True)
@@ -75,7 +72,7 @@ def model_rows(arch: str, sizes: Sequence[int], repeats: int) -> tuple[list[list
             def forward(model: nn.Module) -> Callable[[], None]:
                 def run() -> None:
                     model.eval()
-                    with torch.no_grad(), autocast(precision):
+                    with torch.no_grad(), autocast(CPU, PRECISIONS[precision]):
                         model(x)
                 return run
 
