@@ -6,8 +6,8 @@ the same model after `use_channels_last_max_pool` (the ResNet recipe's `model.ma
 pool runs on a channels-last copy and hands NCHW back; outputs and gradients are the same bit for bit. Both in
 NCHW, at each precision (fp32, and bf16 autocast); batch 32. Three tables: the stem's pool alone (forward +
 backward), a training step (forward, cross-entropy, backward) and an evaluation forward, per image size.
-ratio (JSON) = the baseline's training steps and evaluation forwards summed over models, sizes and precisions /
-the contender's.
+Each at 1 thread (each process of the CPU recipes) and at --threads. ratio (JSON) = the baseline's training
+steps and evaluation forwards summed over thread counts, models, sizes and precisions / the contender's.
 
     python -m scripts.bench.max_pool [--quick] [--threads 1]
 """
@@ -92,29 +92,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     archs = ("resnet18",) if args.quick else ("resnet18", "resnet50")
     sizes = (48,) if args.quick else (32, 48, 64)
     repeats = 3 if args.quick else 9
-    pools = [pool_row(size, p, repeats * 3) for size in sizes for p in PRECISIONS]
+    pools, train, evals, total_stock, total_switched = [], [], [], 0.0, 0.0
+    for threads in sorted({1, args.threads}):  # 1: each process of the CPU recipes
+        torch.set_num_threads(threads)
+        pools += [[threads, *pool_row(size, p, repeats * 3)] for size in sizes for p in PRECISIONS]
+        for arch in archs:
+            t, e, s, w = model_rows(arch, sizes, repeats)
+            train, evals = train + [[threads, *r] for r in t], evals + [[threads, *r] for r in e]
+            total_stock, total_switched = total_stock + s, total_switched + w
     print(f"the stem's max pool alone, forward + backward, batch {BATCH} (ms)")
-    print_table(["px", "precision", "input CxHxW", "NCHW kernel", "channels-last path", "speed-up"], pools)
-    train, evals, total_stock, total_switched = [], [], 0.0, 0.0
-    for arch in archs:
-        t, e, s, w = model_rows(arch, sizes, repeats)
-        train, evals, total_stock, total_switched = train + t, evals + e, total_stock + s, total_switched + w
-    header = ["model", "px", "precision", "stock ResNet", "max_pool_channels_last", "speed-up"]
+    print_table(["threads", "px", "precision", "input CxHxW", "NCHW kernel", "channels-last path", "speed-up"], pools)
+    header = ["threads", "model", "px", "precision", "stock ResNet", "max_pool_channels_last", "speed-up"]
     print(f"\na training step (forward, cross-entropy, backward), batch {BATCH} (ms)")
     print_table(header, train)
     print(f"\nan evaluation forward, batch {BATCH} (ms)")
     print_table(header, evals)
     return emit_result(
         "max_pool", "torchvision ResNet, its max pool through ATen's NCHW kernel", total_stock / total_switched,
-        models=list(archs), sizes=list(sizes), threads=args.threads, batch=BATCH,
+        models=list(archs), sizes=list(sizes), threads=sorted({1, args.threads}), batch=BATCH,
         ms_stock=round(total_stock, 1), ms_switched=round(total_switched, 1),
-        pool=[{"px": px, "precision": p, "stock_ms": round(a, 2), "switched_ms": round(b, 2)}
-              for px, p, _, a, b, _ in pools],
-        train=[{"model": m, "px": px, "precision": p, "stock_ms": round(a, 1), "switched_ms": round(b, 1)}
-               for m, px, p, a, b, _ in train],
-        eval=[{"model": m, "px": px, "precision": p, "stock_ms": round(a, 1), "switched_ms": round(b, 1)}
-              for m, px, p, a, b, _ in evals])
-
+        pool=[{"threads": n, "px": px, "precision": p, "stock_ms": round(a, 2), "switched_ms": round(b, 2)}
+              for n, px, p, _, a, b, _ in pools],
+        **{key: [{"threads": n, "model": m, "px": px, "precision": p, "stock_ms": round(a, 1),
+                  "switched_ms": round(b, 1)} for n, m, px, p, a, b, _ in rows]
+           for key, rows in (("train", train), ("eval", evals))})
 
 if __name__ == "__main__":
     main()
