@@ -163,7 +163,8 @@ def max_pool_headline(r: dict[str, Any]) -> str:
     def spread(key: str) -> str:
         speedups = [x["stock_ms"] / x["switched_ms"] for x in r[key]]
         return f"{times(min(speedups))}-{times(max(speedups))}"
-    return f"{times(r['ratio'])} in all; training steps {spread('train')}; evaluation forwards {spread('eval')}"
+    return (f"{times(r['ratio'])} summed over every shape; training steps {spread('train')}; evaluation forwards "
+            f"{spread('eval')}")
 
 
 def replica_guard(r: dict[str, Any]) -> list[str]:
@@ -654,8 +655,8 @@ def summary(results_dir: Path) -> str:
         for path in result_files(results_dir, bench):
             record = json.loads(path.read_text())
             load, m = load_span(record), record["machine"]
-            # a per-machine bench's files of one model name differ in the widest vector extension
-            cpu = machine_label(m["cpu"], widest_flag(m.get("cpu_flags", [])) if bench in PER_MACHINE else "")
+            # one model name covers machines that differ in their widest vector extension
+            cpu = machine_label(m["cpu"], widest_flag(m.get("cpu_flags", [])))
             rows.append([what, figure(record["result"]), f"[{path.stem}](docs/results/{path.name})",
                          f"{cpu}, {m['cores']} cores, {record['date'][:10]}",
                          "" if load is None else f"{load[0]:.1f} → {load[1]:.1f}"])
