@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
+from kernels._swap import swap_class
+
 _CL = torch.channels_last
 
 
@@ -66,10 +68,4 @@ class ChannelsLastMaxPool2d(nn.MaxPool2d):
 def use_channels_last_max_pool(model: nn.Module) -> int:
     """Switch every plain `nn.MaxPool2d` in `model` to `ChannelsLastMaxPool2d` in place; returns how many. Only
     the class changes (a max pool has no parameters or buffers)."""
-    switched = 0
-    for module in model.modules():
-        if type(module) is nn.MaxPool2d:
-            module.__class__ = ChannelsLastMaxPool2d
-            switched += 1
-    return switched
-
+    return swap_class(model, nn.MaxPool2d, ChannelsLastMaxPool2d)

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels._swap import swap_class
+
 MAX_POSITIONS = 4
 """Largest output (height x width) that takes the GEMM path: 2x2 maps are faster, 3x3 are not."""
 
@@ -82,19 +84,9 @@ def use_gemm_for_small_maps(model: nn.Module) -> int:
     Only the class changes (parameters, buffers, hooks and state-dict keys stay), so checkpoints load either
     way and the switch can be made before or after `.to(device)`.
     """
-    switched = 0
-    for module in model.modules():
-        if type(module) is nn.Conv2d:
-            module.__class__ = SmallMapConv2d
-            switched += 1
-    return switched
+    return swap_class(model, nn.Conv2d, SmallMapConv2d)
 
 
 def use_direct_convs(model: nn.Module) -> int:
     """Undo `use_gemm_for_small_maps`: every `SmallMapConv2d` in `model` back to `nn.Conv2d`; returns how many."""
-    switched = 0
-    for module in model.modules():
-        if type(module) is SmallMapConv2d:
-            module.__class__ = nn.Conv2d
-            switched += 1
-    return switched
+    return swap_class(model, SmallMapConv2d, nn.Conv2d)
