@@ -145,23 +145,27 @@ def small_conv(r: dict[str, Any]) -> list[str]:
             *table(["model", "px", "stock ResNet ms", "small_map_gemm ms", "speed-up"], rows)]
 
 
+def max_pool_speedup(entry: dict[str, Any]) -> float:
+    return entry["stock_ms"] / entry["switched_ms"]
+
+
 def max_pool(r: dict[str, Any]) -> list[str]:
-    def rows(key: str) -> list[list[Any]]:
-        return [[s["threads"], s["model"], s["px"], s["precision"], num(s["stock_ms"]), num(s["switched_ms"]),
-                 times(s["stock_ms"] / s["switched_ms"])] for s in r[key]]
-    header = ["threads", "model", "px", "precision", "stock ResNet ms", "max_pool_channels_last ms", "speed-up"]
-    pools = [[p["threads"], p["px"], p["precision"], num(p["stock_ms"]), num(p["switched_ms"]),
-              times(p["stock_ms"] / p["switched_ms"])] for p in r["pool"]]
+    def rows(key: str, fields: Sequence[str]) -> list[list[Any]]:
+        return [[*(s[f] for f in fields), num(s["stock_ms"]), num(s["switched_ms"]), times(max_pool_speedup(s))]
+                for s in r[key]]
+    model = ["threads", "model", "px", "precision"]
+    header = [*model, "stock ResNet ms", "max_pool_channels_last ms", "speed-up"]
+    pool = ["threads", "px", "precision"]
     return [f"Batch {r['batch']}, both models NCHW. The stem's pool alone, forward + backward:", "",
-            *table(["threads", "px", "precision", "NCHW kernel ms", "channels-last path ms", "speed-up"], pools), "",
-            "A training step (forward, loss, backward):", "", *table(header, rows("train")), "",
-            "An evaluation forward:", "", *table(header, rows("eval"))]
+            *table([*pool, "NCHW kernel ms", "channels-last path ms", "speed-up"], rows("pool", pool)), "",
+            "A training step (forward, loss, backward):", "", *table(header, rows("train", model)), "",
+            "An evaluation forward:", "", *table(header, rows("eval", model))]
 
 
 def max_pool_headline(r: dict[str, Any]) -> str:
     """The overall ratio, then the range of speed-ups over the training steps and over the evaluation forwards."""
     def spread(key: str) -> str:
-        speedups = [x["stock_ms"] / x["switched_ms"] for x in r[key]]
+        speedups = [max_pool_speedup(x) for x in r[key]]
         return f"{times(min(speedups))}-{times(max(speedups))}"
     return (f"{times(r['ratio'])} summed over every shape; training steps {spread('train')}; evaluation forwards "
             f"{spread('eval')}")
@@ -620,8 +624,8 @@ SUMMARY: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
 }
 TABLES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "topk": topk, "input_pipeline": input_pipeline, "data_wait": data_wait, "comm": comm, "optim": optim,
-    "small_conv": small_conv, "max_pool": max_pool, "replica_guard": replica_guard, "transformer": transformer, "tta": tta,
-    "scaling": scaling, "choices": choices, "choices_screen": choices_screen, "quickstart": quickstart,
+    "small_conv": small_conv, "max_pool": max_pool, "replica_guard": replica_guard, "transformer": transformer,
+    "tta": tta, "scaling": scaling, "choices": choices, "choices_screen": choices_screen, "quickstart": quickstart,
     "cluster_tta": cluster_tta, "links": links}
 NOT_YET = {"cluster_tta": "_No result file yet, so no table: `sudo .venv/bin/python -m scripts.bench.cluster_tta` "
                           "(root; many hours, resumable with `--resume OUT`) writes `docs/results/cluster_tta.json` "

@@ -143,6 +143,19 @@ def median_ms(fns: Mapping[str, Callable[[], Any]], repeats: int,
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
+def twin_resnets(arch: str, switch: Callable[[torch.nn.Module], Any]) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two torchvision `arch` models (10 classes) with the same weights, the second after `switch` (a kernel
+    path that changes what its layers run, not their parameters): a stock baseline and its contender."""
+    import torchvision  # only the model benches need it
+
+    torch.manual_seed(0)
+    stock = getattr(torchvision.models, arch)(num_classes=10)
+    switched = getattr(torchvision.models, arch)(num_classes=10)
+    switched.load_state_dict(stock.state_dict())
+    switch(switched)
+    return stock, switched
+
+
 def real_image_batches(count: int, batch: int, size: int, quick: bool = False, seed: int = 0
                        ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
     """`count` training batches of real photos, and the number of classes: the ImageNet-like folder's JPEGs

@@ -18,11 +18,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 from kernels.max_pool import use_channels_last_max_pool
-from scripts.bench.common import bench_parser, emit_result, median_ms, parse_args, print_table
+from scripts.bench.common import bench_parser, emit_result, median_ms, parse_args, print_table, twin_resnets
 from trainer.precision import autocast
 
 BATCH = 32
@@ -51,11 +50,7 @@ def pool_row(size: int, precision: str, repeats: int) -> list[Any]:
 
 def model_rows(arch: str, sizes: Sequence[int], repeats: int) -> tuple[list[list[Any]], list[list[Any]], float, float]:
     """Training-step and evaluation-forward rows per size and precision, and both sides' summed ms."""
-    torch.manual_seed(0)
-    stock = getattr(torchvision.models, arch)(num_classes=10)
-    switched = getattr(torchvision.models, arch)(num_classes=10)
-    switched.load_state_dict(stock.state_dict())
-    use_channels_last_max_pool(switched)
+    stock, switched = twin_resnets(arch, use_channels_last_max_pool)
     train_rows, eval_rows, total_stock, total_switched = [], [], 0.0, 0.0
     for size in sizes:
         x, y = torch.randn(BATCH, 3, size, size), torch.randint(0, 10, (BATCH,))
@@ -116,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         **{key: [{"threads": n, "model": m, "px": px, "precision": p, "stock_ms": round(a, 1),
                   "switched_ms": round(b, 1)} for n, m, px, p, a, b, _ in rows]
            for key, rows in (("train", train), ("eval", evals))})
+
 
 if __name__ == "__main__":
     main()

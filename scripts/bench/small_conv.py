@@ -20,7 +20,7 @@ import torchvision
 from torch import nn
 
 from kernels.small_conv import small_map_conv2d, takes_gemm, use_gemm_for_small_maps
-from scripts.bench.common import bench_parser, emit_result, median_ms, parse_args, print_table
+from scripts.bench.common import bench_parser, emit_result, median_ms, parse_args, print_table, twin_resnets
 
 BATCH = 32
 
@@ -70,11 +70,7 @@ def layer_rows(arch: str, sizes: Sequence[int], repeats: int) -> list[list[Any]]
 
 
 def step_rows(arch: str, sizes: Sequence[int], repeats: int) -> tuple[list[list[Any]], float, float]:
-    torch.manual_seed(0)
-    stock = getattr(torchvision.models, arch)(num_classes=10)
-    fast = getattr(torchvision.models, arch)(num_classes=10)
-    fast.load_state_dict(stock.state_dict())
-    use_gemm_for_small_maps(fast)
+    stock, fast = twin_resnets(arch, use_gemm_for_small_maps)
     loss_fn = nn.CrossEntropyLoss()
     rows, total_stock, total_fast = [], 0.0, 0.0
     for size in sizes:
